@@ -1,0 +1,274 @@
+"""Model configuration: one frozen dataclass per concern, parsed once from a checkpoint's config.json.
+
+Each architecture family parses the HF config into a `ModelConfig` (see `hybrid.models`); the helpers here
+read the keys every family shares, accept both the transformers-4 (`rope_scaling`, `rope_theta`) and the
+transformers-5 (`rope_parameters`) spellings, and turn every problem into a one-line `ConfigError` that names
+the file and the key.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hybrid.errors import ConfigError
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float
+    rotary_dim: int  # leading dims of each head that rotate (partial rotary rotates fewer than head_dim)
+    is_interleaved: bool  # pairs (x0, x1), (x2, x3)... (DeepSeek) instead of halves (x_i, x_{i+d/2}) (NeoX)
+    scaling_type: str = "default"
+    factor: float = 1.0
+    original_max_position: int | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    kind: str  # "gqa" or "mla"
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int  # q/k head dim (MLA: nope + rope)
+    v_head_dim: int
+    scale: float  # softmax scale, YaRN's mscale already folded in
+    has_qkv_bias: bool = False
+    has_o_bias: bool = False
+    has_qk_norm: bool = False
+    sliding_window: int | None = None
+    # MLA only
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    scoring: str  # "softmax" or "sigmoid"
+    norm_topk_prob: bool
+    routed_scaling_factor: float = 1.0
+    num_groups: int = 1  # group-limited routing: pick `topk_group` of `num_groups` groups first
+    topk_group: int = 1
+    group_score: str = "none"  # "none", "max" (DeepSeek-V2), "top2_sum" (DeepSeek-V3, GLM-4.5)
+    has_correction_bias: bool = False  # e_score_correction_bias added for selection only
+    shared_intermediate_size: int = 0  # 0: no shared expert
+    has_shared_gate: bool = False  # Qwen2-MoE: sigmoid(x @ w) scales the shared expert
+    router_in_fp32: bool = False  # DeepSeek/GLM compute router logits in float32
+    # Checkpoint names of each expert's gate, up and down projections (Mixtral: w1, w3, w2).
+    expert_proj_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    intermediate_size: int  # dense MLP layers
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention: AttentionConfig
+    rope: RopeConfig
+    moe: MoEConfig
+    moe_layers: tuple[bool, ...]  # per layer: routed experts (True) or dense MLP (False)
+    eos_token_ids: tuple[int, ...] = ()
+    fp8_block_size: tuple[int, int] | None = None  # checkpoint stores DeepSeek-style FP8 block-scaled weights
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.moe_layers)
+
+
+class RawConfig:
+    """Typed access to a config.json dict; every failure names the file and the key."""
+
+    def __init__(self, data: dict[str, Any], source: str):
+        self.data = data
+        self.source = source
+
+    def error(self, message: str) -> ConfigError:
+        return ConfigError(f"{self.source}: {message}")
+
+    def has(self, key: str) -> bool:
+        return self.data.get(key) is not None
+
+    def get(self, key: str, default: Any = None) -> Any:
+        value = self.data.get(key)
+        return default if value is None else value
+
+    def int(self, key: str, default: int | None = None, minimum: int = 1) -> int:
+        value = self.get(key, default)
+        if value is None:
+            raise self.error(f"missing required key '{key}'")
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise self.error(f"'{key}' must be an integer >= {minimum}, got {value!r}")
+        return value
+
+    def float(self, key: str, default: float | None = None) -> float:
+        value = self.get(key, default)
+        if value is None:
+            raise self.error(f"missing required key '{key}'")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise self.error(f"'{key}' must be a finite number, got {value!r}")
+        return float(value)
+
+    def bool(self, key: str, default: bool) -> bool:
+        value = self.get(key, default)
+        if not isinstance(value, bool):
+            raise self.error(f"'{key}' must be true or false, got {value!r}")
+        return value
+
+
+def read_config_json(path: str | Path) -> RawConfig:
+    """Reads `config.json` from a checkpoint directory (or the file itself)."""
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise ConfigError(f"{file}: no config.json found; pass a HuggingFace checkpoint directory")
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{file}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{file}: expected a JSON object at the top level")
+    return RawConfig(data, str(file))
+
+
+def architecture_of(raw: RawConfig) -> str:
+    archs = raw.get("architectures")
+    if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
+        raise raw.error("missing 'architectures' (a list naming the model class, e.g. ['Qwen3MoeForCausalLM'])")
+    return archs[0]
+
+
+def parse_rope(
+    raw: RawConfig, head_dim: int, *, is_interleaved: bool, default_theta: float = 10000.0, default_partial: float = 1.0
+) -> RopeConfig:
+    """RoPE settings from either spelling; `head_dim` is the per-head size that rotary applies to."""
+    params = dict(raw.get("rope_scaling") or {})
+    params.update(raw.get("rope_parameters") or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise raw.error(f"rope type '{rope_type}' is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    theta = params.get("rope_theta", raw.get("rope_theta", default_theta))
+    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", default_partial))
+    rotary_dim = int(head_dim * partial)
+    if rotary_dim <= 0 or rotary_dim % 2:
+        raise raw.error(f"partial_rotary_factor {partial} gives an unusable rotary dim {rotary_dim} (head {head_dim})")
+    factor = float(params.get("factor") or 1.0)
+    original = params.get("original_max_position_embeddings")
+    if rope_type == "yarn" and original is None:
+        raise raw.error("yarn rope needs 'original_max_position_embeddings' in rope_scaling/rope_parameters")
+    if rope_type == "yarn" and params.get("factor") is None:
+        factor = raw.float("max_position_embeddings") / original
+    return RopeConfig(
+        theta=float(theta),
+        rotary_dim=rotary_dim,
+        is_interleaved=is_interleaved,
+        scaling_type=rope_type,
+        factor=factor,
+        original_max_position=original,
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        mscale=params.get("mscale"),
+        mscale_all_dim=params.get("mscale_all_dim"),
+        attention_factor=params.get("attention_factor"),
+        truncate=bool(params.get("truncate", True)),
+    )
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def parse_fp8(raw: RawConfig) -> tuple[int, int] | None:
+    """DeepSeek-style block FP8 (`quant_method: fp8`, e4m3, `weight_block_size`); None for plain checkpoints."""
+    quant = raw.get("quantization_config")
+    if not quant:
+        return None
+    method = quant.get("quant_method")
+    if method != "fp8":
+        raise raw.error(f"quantization_config.quant_method '{method}' is not supported here; supported: fp8")
+    block = quant.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise raw.error(f"quantization_config.weight_block_size must be two positive integers, got {block!r}")
+    if quant.get("fmt", "e4m3") != "e4m3":
+        raise raw.error(f"quantization_config.fmt '{quant.get('fmt')}' is not supported; supported: e4m3")
+    return (block[0], block[1])
+
+
+def parse_eos(raw: RawConfig, checkpoint_dir: Path | None) -> tuple[int, ...]:
+    """EOS ids from generation_config.json when present (it wins, as in transformers), else config.json."""
+    eos = raw.get("eos_token_id")
+    if checkpoint_dir is not None and (checkpoint_dir / "generation_config.json").is_file():
+        try:
+            gen = json.loads((checkpoint_dir / "generation_config.json").read_text())
+            eos = gen.get("eos_token_id", eos) if isinstance(gen, dict) else eos
+        except (OSError, json.JSONDecodeError):
+            pass  # generation_config.json is advisory; config.json's value stands
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+def require_silu(raw: RawConfig) -> None:
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise raw.error(f"hidden_act '{act}' is not supported; supported: silu")
+
+
+def moe_layer_flags(num_layers: int, is_moe) -> tuple[bool, ...]:
+    return tuple(bool(is_moe(i)) for i in range(num_layers))
+
+
+def common_fields(raw: RawConfig, checkpoint_dir: Path | None) -> dict[str, Any]:
+    """The ModelConfig fields every family reads the same way."""
+    require_silu(raw)
+    return dict(
+        architecture=architecture_of(raw),
+        vocab_size=raw.int("vocab_size"),
+        hidden_size=raw.int("hidden_size"),
+        num_layers=raw.int("num_hidden_layers"),
+        intermediate_size=raw.int("intermediate_size"),
+        rms_norm_eps=raw.float("rms_norm_eps", 1e-6),
+        max_position_embeddings=raw.int("max_position_embeddings", 4096),
+        tie_word_embeddings=raw.bool("tie_word_embeddings", False),
+        eos_token_ids=parse_eos(raw, checkpoint_dir),
+        fp8_block_size=parse_fp8(raw),
+    )
+
+
+def gqa_attention(raw: RawConfig, *, has_qkv_bias: bool, has_qk_norm: bool, sliding_window: int | None):
+    """AttentionConfig and head_dim for grouped-query attention families."""
+    num_heads = raw.int("num_attention_heads")
+    num_kv_heads = raw.int("num_key_value_heads", num_heads)
+    head_dim = raw.int("head_dim", raw.int("hidden_size") // num_heads)
+    if num_heads % num_kv_heads:
+        raise raw.error(f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
+    return AttentionConfig(
+        kind="gqa",
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        v_head_dim=head_dim,
+        scale=head_dim**-0.5,
+        has_qkv_bias=has_qkv_bias,
+        has_qk_norm=has_qk_norm,
+        sliding_window=sliding_window,
+    )

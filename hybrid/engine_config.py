@@ -1,0 +1,35 @@
+"""Engine-side settings (where and how to run), separate from the model's own config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hybrid.errors import ConfigError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    device: str = "cpu"
+    dtype: str = "bfloat16"  # weights and activations; routers and norms compute in float32 regardless
+    max_model_len: int | None = None  # prompt + generated tokens per sequence; None: min(model limit, 4096)
+    block_size: int = 16  # tokens per KV-cache page
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype '{self.dtype}' is not supported; supported: {', '.join(DTYPES)}")
+        if self.block_size < 1:
+            raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        try:
+            torch.device(self.device)
+        except (RuntimeError, TypeError):
+            raise ConfigError(f"device '{self.device}' is not a valid torch device (e.g. 'cpu', 'cuda')") from None
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]

@@ -1,0 +1,44 @@
+"""Grouped-query attention (Qwen, Mixtral, GLM): optional q/k/v bias, per-head QK RMSNorm, partial rotary,
+sliding window. The paged KV cache is bound by the runner (`kv_cache`), the math lives in the backend."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybrid.config import AttentionConfig
+from hybrid.forward_batch import ForwardBatch
+from hybrid.layers.norm import RMSNorm
+from hybrid.layers.rotary import RotaryEmbedding
+
+
+class GQAAttention(nn.Module):
+    def __init__(self, cfg: AttentionConfig, hidden_size: int, eps: float, rotary: RotaryEmbedding, backend):
+        super().__init__()
+        self.cfg = cfg
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.q_proj = nn.Linear(hidden_size, q_size, bias=cfg.has_qkv_bias)
+        self.k_proj = nn.Linear(hidden_size, kv_size, bias=cfg.has_qkv_bias)
+        self.v_proj = nn.Linear(hidden_size, kv_size, bias=cfg.has_qkv_bias)
+        self.o_proj = nn.Linear(q_size, hidden_size, bias=cfg.has_o_bias)
+        if cfg.has_qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, eps)
+            self.k_norm = RMSNorm(cfg.head_dim, eps)
+        self.rotary = rotary
+        self.backend = backend
+        self.kv_cache: tuple[torch.Tensor, ...] = ()
+
+    def kv_cache_shapes(self) -> tuple[tuple[int, int], ...]:
+        """Per-slot shapes of this layer's cache tensors: K and V as [kv_heads, head_dim]."""
+        return ((self.cfg.num_kv_heads, self.cfg.head_dim), (self.cfg.num_kv_heads, self.cfg.head_dim))
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        cfg, num_tokens = self.cfg, x.shape[0]
+        q = self.q_proj(x).view(num_tokens, cfg.num_heads, cfg.head_dim)  # [T, Hq, D]
+        k = self.k_proj(x).view(num_tokens, cfg.num_kv_heads, cfg.head_dim)  # [T, Hkv, D]
+        v = self.v_proj(x).view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.has_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(batch.positions, q, k)
+        out = self.backend.gqa(q, k, v, self.kv_cache, batch, cfg.scale, cfg.sliding_window)
+        return self.o_proj(out.reshape(num_tokens, cfg.num_heads * cfg.head_dim))

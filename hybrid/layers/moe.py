@@ -1,0 +1,97 @@
+"""Sparse MoE block: router -> routed experts (through the experts backend) + optional shared expert."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cpu_experts.reference import moe_reference
+from gpu_layers import reference
+from hybrid.config import MoEConfig
+from hybrid.layers.mlp import GatedMLP
+
+
+class Router(nn.Module):
+    """Top-k expert choice per token. Parameter names follow the checkpoints (`gate.weight`,
+    `gate.e_score_correction_bias`)."""
+
+    def __init__(self, hidden_size: int, moe: MoEConfig):
+        super().__init__()
+        self.moe = moe
+        self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size))
+        if moe.has_correction_bias:
+            # Kept in float32 whatever the model dtype: it decides selection between close sigmoid scores.
+            self.register_buffer("e_score_correction_bias", torch.zeros(moe.num_experts, dtype=torch.float32))
+        else:
+            self.e_score_correction_bias = None
+
+    def _apply(self, fn, recurse=True):
+        # Keep the correction bias in float32 when the module is cast (e.g. model.to(torch.bfloat16)).
+        bias = self.e_score_correction_bias
+        super()._apply(fn, recurse)
+        if bias is not None:
+            self.e_score_correction_bias = self.e_score_correction_bias.float()
+        return self
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        moe = self.moe
+        if moe.router_in_fp32:
+            logits = F.linear(x.float(), self.weight.float())
+        else:
+            logits = F.linear(x, self.weight)  # [T, E]
+        if moe.scoring == "softmax" and moe.group_score == "none" and self.e_score_correction_bias is None:
+            weights, ids = reference.softmax_topk(logits, moe.top_k, moe.norm_topk_prob)
+            return weights * moe.routed_scaling_factor if moe.routed_scaling_factor != 1.0 else weights, ids
+        return reference.grouped_topk(
+            logits.float(), self.e_score_correction_bias, moe.top_k, moe.num_groups, moe.topk_group,
+            moe.scoring, moe.group_score, moe.norm_topk_prob, moe.routed_scaling_factor,
+        )
+
+
+class TorchExperts(nn.Module):
+    """All of a layer's routed experts as stacked tensors, computed by the plain-PyTorch reference."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 proj_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")):
+        super().__init__()
+        self.proj_names = proj_names
+        gate, up, down = proj_names
+        self.register_parameter(gate, nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size)))
+        self.register_parameter(up, nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size)))
+        self.register_parameter(down, nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size)))
+
+    def checkpoint_targets(self):
+        """(checkpoint suffix, destination view) pairs: expert e's `{e}.gate_proj.weight` is row e of the stack."""
+        for name in self.proj_names:
+            stacked = getattr(self, name)
+            for e in range(stacked.shape[0]):
+                yield f"{e}.{name}.weight", stacked.data[e]
+
+    def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        gate, up, down = (getattr(self, n) for n in self.proj_names)
+        return moe_reference(hidden, gate, up, down, topk_ids, topk_weights)
+
+
+class SparseMoE(nn.Module):
+    """`shared_name` follows the checkpoint: `shared_experts` (DeepSeek, GLM) or `shared_expert` (Qwen2-MoE,
+    which also has a sigmoid `shared_expert_gate`)."""
+
+    def __init__(self, hidden_size: int, moe: MoEConfig, experts: nn.Module, shared_name: str = "shared_experts"):
+        super().__init__()
+        self.gate = Router(hidden_size, moe)
+        self.experts = experts
+        self.shared_name = shared_name if moe.shared_intermediate_size else None
+        if self.shared_name:
+            setattr(self, shared_name, GatedMLP(hidden_size, moe.shared_intermediate_size))
+        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if moe.has_shared_gate else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = self.gate(x)
+        out = self.experts(x, topk_ids, topk_weights)
+        if self.shared_name:
+            shared = getattr(self, self.shared_name)(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
+        return out

@@ -1,0 +1,114 @@
+"""`LLM`: the Python API over one model: full-prompt logits and single-sequence generation with a paged KV
+cache, one token per decode step. The engine issue builds continuous batching on the same pieces
+(ForwardBatch, BlockAllocator, the model's forward)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from hybrid.block_manager import BlockAllocator, blocks_needed
+from hybrid.engine_config import EngineConfig
+from hybrid.forward_batch import ForwardBatch, SequenceSlice
+from hybrid.kv_cache import allocate_kv_cache
+from hybrid.layers.backends import Backends
+from hybrid.loader import load_weights
+from hybrid.models import load_model_config
+from hybrid.models.base import MoECausalLM
+from hybrid.sampling import SamplingParams, sample
+
+
+def build_model(cls: type[MoECausalLM], config, engine: EngineConfig, backends: Backends | None = None):
+    """Builds the model without initialising weights (they are about to be overwritten by the loader)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(engine.torch_dtype)
+    try:
+        with torch.device("meta"):
+            model = cls(config, backends)
+    finally:
+        torch.set_default_dtype(previous)
+    model = model.to_empty(device=engine.device)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight  # to_empty gives each name its own storage
+    for module in model.modules():
+        if hasattr(module, "reset_buffers"):
+            module.reset_buffers()  # non-persistent buffers computed from the config (e.g. RoPE frequencies)
+    return model.eval()
+
+
+class LLM:
+    def __init__(self, path: str | Path, device: str = "cpu", dtype: str = "bfloat16",
+                 max_model_len: int | None = None, block_size: int = 16):
+        self.engine_config = EngineConfig(device=device, dtype=dtype, max_model_len=max_model_len,
+                                          block_size=block_size)
+        cls, self.config = load_model_config(path)
+        self.model = build_model(cls, self.config, self.engine_config)
+        load_weights(self.model, path)
+        self.max_model_len = max_model_len or min(self.config.max_position_embeddings, 4096)
+        num_blocks = blocks_needed(self.max_model_len, block_size)
+        self.allocator = BlockAllocator(num_blocks)
+        self.kv_caches = allocate_kv_cache(
+            self.model.attention_layers(), num_blocks, block_size, self.engine_config.torch_dtype, device
+        )
+        self.num_forward_tokens = 0
+
+    @torch.inference_mode()
+    def prefill_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """float32 logits [len(token_ids), vocab] of a fresh sequence."""
+        self._check_prompt(token_ids, 0)
+        blocks = self.allocator.allocate(blocks_needed(len(token_ids), self.engine_config.block_size))
+        try:
+            hidden = self._step(token_ids, 0, blocks)
+            return self.model.compute_logits(hidden)
+        finally:
+            self.allocator.free(blocks)
+
+    @torch.inference_mode()
+    def generate(self, token_ids: list[int], max_new_tokens: int = 16, *, temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
+                 stop_token_ids: list[int] | None = None, ignore_eos: bool = False) -> list[int]:
+        """New token ids (greedy unless temperature > 0); stops at EOS unless ignore_eos, or at stop_token_ids."""
+        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
+        self._check_prompt(token_ids, max_new_tokens)
+        stops = set(stop_token_ids or ()) | (set() if ignore_eos else set(self.config.eos_token_ids))
+        generator = None
+        if seed is not None:
+            generator = torch.Generator(device=self.engine_config.device).manual_seed(seed)
+        block_size = self.engine_config.block_size
+        blocks = self.allocator.allocate(blocks_needed(len(token_ids) + max_new_tokens, block_size))
+        try:
+            output: list[int] = []
+            new, num_computed = list(token_ids), 0
+            while len(output) < max_new_tokens:
+                hidden = self._step(new, num_computed, blocks)
+                num_computed += len(new)
+                token = int(sample(self.model.compute_logits(hidden[-1:]), params, generator)[0])
+                output.append(token)
+                if token in stops:
+                    break
+                new = [token]
+            return output
+        finally:
+            self.allocator.free(blocks)
+
+    def _step(self, new_ids: list[int], num_computed: int, blocks: list[int]) -> torch.Tensor:
+        device = self.engine_config.device
+        batch = ForwardBatch.build([SequenceSlice(num_computed, len(new_ids), blocks)],
+                                   self.engine_config.block_size, device)
+        self.num_forward_tokens += len(new_ids)
+        return self.model(torch.tensor(new_ids, dtype=torch.int64, device=device), batch)
+
+    def _check_prompt(self, token_ids: list[int], max_new_tokens: int) -> None:
+        if not token_ids:
+            raise ValueError("token_ids is empty: a prompt needs at least one token")
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        bad = [t for t in token_ids if not 0 <= int(t) < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})")
+        if len(token_ids) + max_new_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt of {len(token_ids)} tokens + max_new_tokens {max_new_tokens} exceeds max_model_len "
+                f"{self.max_model_len}; pass a larger max_model_len to LLM(...)"
+            )

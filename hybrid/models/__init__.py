@@ -1,0 +1,59 @@
+"""Architecture registry: `config.json["architectures"][0]` -> model class (one file per family).
+
+Each class parses its own config (`parse_config`) into a `ModelConfig` and builds itself from the shared layers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hybrid.config import ModelConfig, architecture_of, read_config_json
+from hybrid.errors import ConfigError
+from hybrid.models.base import MoECausalLM
+from hybrid.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from hybrid.models.glm4_moe import Glm4MoeForCausalLM
+from hybrid.models.mixtral import MixtralForCausalLM
+from hybrid.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
+
+MODEL_REGISTRY: dict[str, type[MoECausalLM]] = {
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,  # also Kimi-K2
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
+}
+SUPPORTED_ARCHITECTURES = tuple(sorted(MODEL_REGISTRY))
+
+
+def model_class(architecture: str, source: str = "config.json") -> type[MoECausalLM]:
+    try:
+        return MODEL_REGISTRY[architecture]
+    except KeyError:
+        raise ConfigError(
+            f"{source}: architecture '{architecture}' is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        ) from None
+
+
+def load_model_config(checkpoint_dir: str | Path) -> tuple[type[MoECausalLM], ModelConfig]:
+    """Reads config.json once and returns the model class and its parsed, validated config."""
+    raw = read_config_json(checkpoint_dir)
+    cls = model_class(architecture_of(raw), raw.source)
+    config = cls.parse_config(raw, Path(checkpoint_dir) if Path(checkpoint_dir).is_dir() else None)
+    validate(config, raw.source)
+    return cls, config
+
+
+def validate(config: ModelConfig, source: str) -> None:
+    moe, attn = config.moe, config.attention
+    checks = [
+        (moe.top_k <= moe.num_experts, f"num_experts_per_tok {moe.top_k} exceeds the {moe.num_experts} experts"),
+        (moe.num_experts % moe.num_groups == 0, f"n_group {moe.num_groups} does not divide {moe.num_experts} experts"),
+        (moe.topk_group <= moe.num_groups, f"topk_group {moe.topk_group} exceeds n_group {moe.num_groups}"),
+        (moe.group_score != "top2_sum" or moe.num_experts // moe.num_groups >= 2,
+         "grouped routing needs at least 2 experts per group"),
+        (attn.num_heads % attn.num_kv_heads == 0, "num_attention_heads must be a multiple of num_key_value_heads"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(f"{source}: {message}")

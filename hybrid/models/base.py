@@ -1,0 +1,126 @@
+"""The decoder-only MoE causal LM that every family file specialises.
+
+Layout and names follow the HuggingFace checkpoints (`model.embed_tokens`, `model.layers.N.self_attn`,
+`model.layers.N.mlp` or `block_sparse_moe`, `model.norm`, `lm_head`), so loading is a copy. A family file
+supplies `parse_config` and, where its checkpoint names differ, the class attributes below.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from hybrid.config import ModelConfig, RawConfig
+from hybrid.forward_batch import ForwardBatch
+from hybrid.layers.attention import GQAAttention
+from hybrid.layers.backends import Backends
+from hybrid.layers.mla import MLAAttention
+from hybrid.layers.mlp import GatedMLP
+from hybrid.layers.moe import SparseMoE
+from hybrid.layers.norm import RMSNorm
+from hybrid.layers.rotary import RotaryEmbedding
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, attn: nn.Module, ff: nn.Module, ff_name: str, hidden_size: int, eps: float):
+        super().__init__()
+        self.self_attn = attn
+        self.ff_name = ff_name
+        setattr(self, ff_name, ff)
+        self.input_layernorm = RMSNorm(hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+
+    def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), batch)
+        return hidden + getattr(self, self.ff_name)(self.post_attention_layernorm(hidden))
+
+
+class MoECausalLM(nn.Module):
+    ff_name = "mlp"  # attribute of the feed-forward block in each decoder layer
+    shared_expert_name = "shared_experts"
+    # Checkpoint tensors that are not part of inference: multi-token-prediction layers past num_layers are
+    # matched by `extra_layer_pattern`, stale rotary caches by the second pattern.
+    ignored_tensor_patterns: tuple[str, ...] = (r".*\.rotary_emb\.inv_freq$",)
+    has_mtp_layers = False
+
+    def __init__(self, config: ModelConfig, backends: Backends | None = None):
+        super().__init__()
+        backends = backends or Backends()
+        self.config = config
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        rotary = RotaryEmbedding(config.rope)
+        self.model.layers = nn.ModuleList(
+            DecoderLayer(
+                self._make_attention(rotary, backends),
+                self._make_ff(i, backends),
+                self.ff_name,
+                config.hidden_size,
+                config.rms_norm_eps,
+            )
+            for i in range(config.num_layers)
+        )
+        self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @classmethod
+    def parse_config(cls, raw: RawConfig, checkpoint_dir=None) -> ModelConfig:
+        raise NotImplementedError
+
+    def _make_attention(self, rotary: RotaryEmbedding, backends: Backends) -> nn.Module:
+        cfg = self.config
+        if cfg.attention.kind == "mla":
+            return MLAAttention(cfg.attention, cfg.hidden_size, rotary, backends.attention)
+        return GQAAttention(cfg.attention, cfg.hidden_size, cfg.rms_norm_eps, rotary, backends.attention)
+
+    def _make_ff(self, layer_idx: int, backends: Backends) -> nn.Module:
+        cfg = self.config
+        if not cfg.moe_layers[layer_idx]:
+            return GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        experts = backends.make_experts(layer_idx, cfg)
+        return SparseMoE(cfg.hidden_size, cfg.moe, experts, self.shared_expert_name)
+
+    # --- checkpoint contract (used by hybrid.loader) ---
+
+    def checkpoint_targets(self) -> dict[str, torch.Tensor]:
+        """Checkpoint tensor name -> the tensor its values are copied into."""
+        targets: dict[str, torch.Tensor] = {}
+        stacked: set[str] = set()
+        for module_name, module in self.named_modules():
+            if hasattr(module, "checkpoint_targets") and module is not self:
+                for suffix, tensor in module.checkpoint_targets():
+                    targets[f"{module_name}.{suffix}"] = tensor
+                stacked.update(f"{module_name}.{n}" for n, _ in module.named_parameters(recurse=False))
+        for name, tensor in self.state_dict(keep_vars=True).items():
+            if name not in stacked:
+                targets[name] = tensor.data
+        return targets
+
+    def optional_tensor_names(self) -> set[str]:
+        return {"lm_head.weight"} if self.config.tie_word_embeddings else set()
+
+    def is_ignored_tensor(self, name: str) -> bool:
+        if any(re.match(p, name) for p in self.ignored_tensor_patterns):
+            return True
+        match = re.match(r"model\.layers\.(\d+)\.", name)
+        return bool(self.has_mtp_layers and match and int(match.group(1)) >= self.config.num_layers)
+
+    # --- running ---
+
+    def attention_layers(self) -> list[nn.Module]:
+        return [layer.self_attn for layer in self.model.layers]
+
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """input_ids [T] -> final hidden states [T, H]."""
+        hidden = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            hidden = layer(hidden, batch)
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] -> float32 logits [N, V]."""
+        return self.lm_head(hidden).float()
