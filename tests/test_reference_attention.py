@@ -61,7 +61,7 @@ def test_paged_attention_mixed_batch(block_size, window):
     out = reference.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens_cpu,
                                     batch.query_lens_cpu, scale, window)
     start = 0
-    for (k, v), (computed, new) in zip(contexts, seqs, strict=True):
+    for (k, v), (_, new) in zip(contexts, seqs, strict=True):
         expected = dense_attention(q[start : start + new], k, v, scale, window)
         torch.testing.assert_close(out[start : start + new].double(), expected, rtol=1e-5, atol=1e-5)
         start += new
