@@ -15,7 +15,9 @@ import torch
 from torch import nn
 
 from gpu_layers import reference
+from hybrid.config import ModelConfig
 from hybrid.forward_batch import ForwardBatch
+from hybrid.layers.moe import TorchExperts
 
 
 class TorchAttentionBackend:
@@ -59,12 +61,10 @@ class TorchAttentionBackend:
         )
 
 
-ExpertsFactory = Callable[[int, "object"], nn.Module]  # (layer_idx, ModelConfig) -> experts module
+ExpertsFactory = Callable[[int, ModelConfig], nn.Module]  # (layer_idx, config) -> routed-experts module
 
 
-def default_experts_factory(layer_idx: int, config) -> nn.Module:
-    from hybrid.layers.moe import TorchExperts
-
+def default_experts_factory(layer_idx: int, config: ModelConfig) -> nn.Module:
     moe = config.moe
     return TorchExperts(moe.num_experts, config.hidden_size, moe.intermediate_size, moe.expert_proj_names)
 
