@@ -216,7 +216,7 @@ def prompt(length: int, seed: int, vocab: int = VOCAB) -> list[int]:
 
 @torch.no_grad()
 def hf_logits(model, ids: list[int]) -> torch.Tensor:
-    return model(torch.tensor([ids])).logits[0].float()
+    return model(torch.tensor([ids], device=model.device)).logits[0].float()
 
 
 @torch.no_grad()
@@ -238,7 +238,7 @@ def hf_greedy_no_cache(model, ids: list[int], n: int) -> tuple[list[int], list[f
 def hf_generate(model, ids: list[int], n: int) -> list[int]:
     """transformers' own greedy generate with its KV cache, made to run exactly `n` steps: no EOS id (so it never
     stops early and `min_new_tokens` suppresses nothing), a pad id to silence the warning."""
-    out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+    out = model.generate(torch.tensor([ids], device=model.device), max_new_tokens=n, min_new_tokens=n, do_sample=False,
                          eos_token_id=None, pad_token_id=0, generation_config=_plain_generation_config(model))
     return out[0, len(ids):].tolist()
 
