@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hybrid import compressed_tensors
 from hybrid.errors import ConfigError
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn")
@@ -89,6 +90,7 @@ class ModelConfig:
     moe_layers: tuple[bool, ...]  # per layer: routed experts (True) or dense MLP (False)
     eos_token_ids: tuple[int, ...] = ()
     fp8_block_size: tuple[int, int] | None = None  # checkpoint stores DeepSeek-style FP8 block-scaled weights
+    compressed_tensors: compressed_tensors.Scheme | None = None  # checkpoint stores compressed-tensors weights
 
     @property
     def num_moe_layers(self) -> int:
@@ -197,20 +199,27 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def parse_fp8(raw: RawConfig) -> tuple[int, int] | None:
-    """DeepSeek-style block FP8 (`quant_method: fp8`, e4m3, `weight_block_size`); None for plain checkpoints."""
+def parse_quantization(raw: RawConfig) -> tuple[tuple[int, int] | None, compressed_tensors.Scheme | None]:
+    """The checkpoint's weight storage: DeepSeek-style block FP8 (`quant_method: fp8`, e4m3, `weight_block_size`)
+    or compressed-tensors (what `hybrid-convert --gpu-quant` and llm-compressor write); (None, None) when plain."""
     quant = raw.get("quantization_config")
     if not quant:
-        return None
+        return None, None
     method = quant.get("quant_method")
+    if method == "compressed-tensors":
+        try:
+            return None, compressed_tensors.parse(quant, raw.source)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     if method != "fp8":
-        raise raw.error(f"quantization_config.quant_method '{method}' is not supported here; supported: fp8")
+        raise raw.error(f"quantization_config.quant_method '{method}' is not supported here; supported: fp8, "
+                        "compressed-tensors")
     block = quant.get("weight_block_size")
     if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
         raise raw.error(f"quantization_config.weight_block_size must be two positive integers, got {block!r}")
     if quant.get("fmt", "e4m3") != "e4m3":
         raise raw.error(f"quantization_config.fmt '{quant.get('fmt')}' is not supported; supported: e4m3")
-    return (block[0], block[1])
+    return (block[0], block[1]), None
 
 
 def parse_eos(raw: RawConfig, checkpoint_dir: Path | None) -> tuple[int, ...]:
@@ -250,8 +259,7 @@ def common_fields(raw: RawConfig, checkpoint_dir: Path | None) -> dict[str, Any]
         max_position_embeddings=raw.int("max_position_embeddings", 4096),
         tie_word_embeddings=raw.bool("tie_word_embeddings", False),
         eos_token_ids=parse_eos(raw, checkpoint_dir),
-        fp8_block_size=parse_fp8(raw),
-    )
+    ) | dict(zip(("fp8_block_size", "compressed_tensors"), parse_quantization(raw), strict=True))
 
 
 def gqa_attention(raw: RawConfig, *, has_qkv_bias: bool, has_qk_norm: bool, sliding_window: int | None):

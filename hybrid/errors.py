@@ -11,3 +11,7 @@ class ConfigError(HybridError, ValueError):
 
 class CheckpointError(HybridError, ValueError):
     """A checkpoint whose files or tensors do not match what the model expects."""
+
+
+class OutputError(HybridError, OSError):
+    """An output directory that cannot be written (permissions, disk full, a conversion of other options)."""

@@ -88,17 +88,12 @@ class MoECausalLM(nn.Module):
 
     def checkpoint_targets(self) -> dict[str, torch.Tensor]:
         """Checkpoint tensor name -> the tensor its values are copied into."""
-        targets: dict[str, torch.Tensor] = {}
-        stacked: set[str] = set()
-        for module_name, module in self.named_modules():
-            if hasattr(module, "checkpoint_targets") and module is not self:
-                for suffix, tensor in module.checkpoint_targets():
-                    targets[f"{module_name}.{suffix}"] = tensor
-                stacked.update(f"{module_name}.{n}" for n, _ in module.named_parameters(recurse=False))
-        for name, tensor in self.state_dict(keep_vars=True).items():
-            if name not in stacked:
-                targets[name] = tensor.data
-        return targets
+        return checkpoint_targets_of(self)
+
+    def routed_expert_name(self, layer: int, expert: int, role: str) -> str:
+        """Checkpoint name of routed expert `expert`'s projection `role` (gate, up or down) in layer `layer`."""
+        proj = self.config.moe.expert_proj_names[("gate", "up", "down").index(role)]
+        return f"model.layers.{layer}.{self.ff_name}.experts.{expert}.{proj}.weight"
 
     def optional_tensor_names(self) -> set[str]:
         return {"lm_head.weight"} if self.config.tie_word_embeddings else set()
@@ -124,3 +119,19 @@ class MoECausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> float32 logits [N, V]."""
         return self.lm_head(hidden).float()
+
+
+def checkpoint_targets_of(root: nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Checkpoint name -> destination tensor for the parameters and buffers of `root` (named under `prefix`);
+    modules with their own `checkpoint_targets` (stacked experts) map their per-expert names."""
+    targets: dict[str, torch.Tensor] = {}
+    stacked: set[str] = set()
+    for module_name, module in root.named_modules(prefix=prefix.rstrip(".")):
+        if hasattr(module, "checkpoint_targets") and module is not root:
+            for suffix, tensor in module.checkpoint_targets():
+                targets[f"{module_name}.{suffix}"] = tensor
+            stacked.update(f"{module_name}.{n}" for n, _ in module.named_parameters(recurse=False))
+    for name, tensor in root.state_dict(prefix=prefix, keep_vars=True).items():
+        if name not in stacked:
+            targets[name] = tensor.data
+    return targets

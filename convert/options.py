@@ -1,0 +1,69 @@
+"""The converter's options: one frozen dataclass, validated once; the CLI is generated from it."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from cpu_experts.expert_file import EXPERT_DTYPES
+from hybrid.errors import ConfigError
+
+GPU_QUANT = ("none", "fp8", "w4a16")
+GROUP_MULTIPLE = 32  # scale groups cover whole SIMD vectors in the CPU kernels
+DEFAULT_INT4_GROUP = 128
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    expert_dtype: str = field(default="int8", metadata={
+        "choices": EXPERT_DTYPES, "help": "routed experts' storage: int8, int4 (group-wise) or bf16 (exact)"})
+    group_size: int | None = field(default=None, metadata={
+        "help": "expert scale group along the input dimension, a multiple of 32 (default: 128 for int4, one "
+                "scale per output channel for int8)"})
+    gpu_quant: str = field(default="none", metadata={
+        "choices": GPU_QUANT, "help": "GPU weights: keep as in the source, FP8 (dynamic, per channel) or W4A16 "
+                                      "(int4 groups) through llm-compressor, in the compressed-tensors format"})
+    gpu_group_size: int = field(default=128, metadata={"help": "W4A16 group size"})
+    calib_file: Path | None = field(default=None, metadata={
+        "help": "local text file of calibration text: W4A16 uses GPTQ with it instead of round-to-nearest"})
+    calib_tokens: int = field(default=2048, metadata={"help": "calibration tokens taken from --calib-file"})
+    threads: int = field(default_factory=lambda: os.cpu_count() or 1, metadata={
+        "help": "CPU threads for reading and quantizing"})
+    overwrite: bool = field(default=False, metadata={
+        "help": "replace a finished or differently-configured conversion in DST"})
+
+    def __post_init__(self):
+        if self.group_size is not None and (self.group_size < 1 or self.group_size % GROUP_MULTIPLE):
+            raise ConfigError(f"--group-size must be a positive multiple of {GROUP_MULTIPLE}, got {self.group_size}")
+        if self.group_size is not None and self.expert_dtype == "bf16":
+            raise ConfigError("--group-size applies to int8/int4 experts; drop it for --expert-dtype bf16")
+        if self.gpu_group_size < 1 or self.gpu_group_size % GROUP_MULTIPLE:
+            raise ConfigError(f"--gpu-group-size must be a positive multiple of {GROUP_MULTIPLE}, "
+                              f"got {self.gpu_group_size}")
+        if self.calib_file is not None and self.gpu_quant != "w4a16":
+            raise ConfigError("--calib-file is only used by --gpu-quant w4a16 (FP8 needs no calibration)")
+        if self.calib_file is not None and not Path(self.calib_file).is_file():
+            raise ConfigError(f"--calib-file {self.calib_file}: no such file")
+        if self.calib_tokens < 16:
+            raise ConfigError(f"--calib-tokens must be >= 16, got {self.calib_tokens}")
+        if self.threads < 1:
+            raise ConfigError(f"--threads must be >= 1, got {self.threads}")
+
+    @property
+    def expert_group_size(self) -> int:
+        """The group size written to the expert files; 0 means one scale per output channel."""
+        if self.expert_dtype == "bf16":
+            return 0
+        if self.group_size is not None:
+            return self.group_size
+        return DEFAULT_INT4_GROUP if self.expert_dtype == "int4" else 0
+
+    def fingerprint(self) -> dict:
+        """The options that decide the output's bytes (a resumed conversion must use the same ones)."""
+        out = asdict(self)
+        for transient in ("threads", "overwrite"):
+            out.pop(transient)
+        out["calib_file"] = str(self.calib_file) if self.calib_file else None
+        out["group_size"] = self.expert_group_size
+        return out

@@ -1,0 +1,213 @@
+"""`convert(source, dst, options)`: plan, then write unit after unit, then the small files, then the manifest.
+
+Every file is written under a temporary name and renamed when complete; the journal records each finished unit
+so an interrupted run resumes where it stopped; the manifest goes last.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import shutil
+import time
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from convert import gpu_quant
+from convert.manifest import (
+    MANIFEST_FILE,
+    MANIFEST_FORMAT,
+    MANIFEST_VERSION,
+    Journal,
+    file_entry,
+    read_manifest,
+    source_fingerprint,
+    write_manifest,
+)
+from convert.options import ConvertOptions
+from convert.plan import Plan, Unit, build_plan
+from convert.units import expert_spec, write_expert_unit, write_gpu_unit
+from hybrid.checkpoint import INDEX_FILE
+from hybrid.errors import OutputError
+from hybrid.safetensors_io import TMP_SUFFIX, commit, element_size, write_bytes_atomic
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5", ".ckpt")
+
+
+@dataclass
+class Report:
+    dst: Path
+    written: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # units found complete and verified (resume)
+    seconds: float = 0.0
+
+
+def convert(source: str | Path, dst: str | Path, options: ConvertOptions, progress: bool | None = None) -> Report:
+    start = time.perf_counter()
+    source, dst = Path(source), Path(dst)
+    plan = build_plan(source)
+    quantizer = gpu_quant.make_quantizer(plan, options)
+    _prepare(source, dst)
+    key = {"format_version": MANIFEST_VERSION, "options": options.fingerprint(),
+           "source": source_fingerprint(source, sorted({f.path for f in plan.ckpt.files.values()}),
+                                        options.calib_file)}
+    report = Report(dst)
+    if _finished_already(dst, key, options):
+        report.skipped = [unit.path for unit in plan.units]
+        return report
+    journal = Journal(dst, key)
+    previous = journal.load()
+    if previous is not None and previous.get("key") != key and not options.overwrite:
+        raise OutputError(f"{dst}: holds an unfinished conversion of another source or other options; rerun with "
+                          "the same ones to resume, or pass --overwrite")
+    done = journal.resume(dst) if previous is not None and previous.get("key") == key else {}
+    todo = [unit for unit in plan.units if unit.path not in done]
+    spec = expert_spec(plan, options.expert_dtype, options.expert_group_size)
+    _check_space(dst, sum(_unit_bytes(plan, unit, quantizer, spec) for unit in todo))
+    _remove_stale_temporaries(dst)
+    journal.start()
+    torch.set_num_threads(options.threads)
+    quantizer.prepare(todo)
+    bar = tqdm(total=sum(u.source_bytes for u in plan.units), unit="B", unit_scale=True, unit_divisor=1024,
+               desc="hybrid-convert", disable=None if progress is None else not progress)
+    with bar:
+        for unit in plan.units:
+            if unit.path in done:
+                report.skipped.append(unit.path)
+            else:
+                _write_unit(plan, unit, dst, quantizer, spec, options.threads)
+                journal.record(file_entry(dst, unit.path))
+                report.written.append(unit.path)
+            bar.update(unit.source_bytes)
+    small = _write_small_files(plan, dst, quantizer)
+    entries = [journal.done[u.path] for u in plan.units] + [file_entry(dst, rel) for rel in small]
+    write_manifest(dst, _manifest(plan, options, quantizer, key, entries))
+    journal.remove()
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _prepare(source: Path, dst: Path) -> None:
+    if dst.resolve() == source.resolve() or source.resolve() in dst.resolve().parents:
+        raise OutputError(f"{dst}: the output must not be the source directory or inside it")
+    if dst.exists() and not dst.is_dir():
+        raise OutputError(f"{dst}: exists and is not a directory")
+    try:
+        (dst / "experts").mkdir(parents=True, exist_ok=True)
+        probe = dst / f".write-test{TMP_SUFFIX}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise OutputError(f"{dst}: not writable ({exc.strerror or exc})") from None
+
+
+def _finished_already(dst: Path, key: dict, options: ConvertOptions) -> bool:
+    """True when DST already holds this exact conversion with every checksum intact. A finished conversion with
+    damaged files is turned back into an unfinished one (its intact files are kept); one of another source or
+    other options needs --overwrite."""
+    manifest = read_manifest(dst)
+    if manifest is None:
+        return False
+    if manifest.get("key") != key and not options.overwrite:
+        raise OutputError(f"{dst}: already holds a finished conversion of another source or other options; "
+                          "pass --overwrite to replace it")
+    if manifest.get("key") == key:
+        journal = Journal(dst, key)
+        if not options.overwrite and not journal.resume_from(dst, manifest.get("files") or []):
+            return True
+    (dst / MANIFEST_FILE).unlink()  # from here on the directory is unfinished again
+    return False
+
+
+def _unit_bytes(plan: Plan, unit: Unit, quantizer, spec) -> int:
+    if unit.is_experts:
+        return sum(e * element_size(dt) for shape, dt in spec.tensor_shapes().values() for e in [_numel(shape)])
+    return sum(_numel(s.shape) * element_size(s.dtype) for n in unit.names for s in quantizer.specs(plan, n))
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _check_space(dst: Path, needed: int) -> None:
+    free = shutil.disk_usage(dst).free
+    if needed > free:
+        raise OutputError(f"{dst}: not enough disk space: the conversion needs {needed / 2**30:.2f} GiB more, "
+                          f"{free / 2**30:.2f} GiB are free")
+
+
+def _remove_stale_temporaries(dst: Path) -> None:
+    for folder in (dst, dst / "experts"):
+        for tmp in folder.glob(f"*{TMP_SUFFIX}"):
+            tmp.unlink()
+
+
+def _write_unit(plan: Plan, unit: Unit, dst: Path, quantizer, spec, threads: int) -> None:
+    final = dst / unit.path
+    tmp = final.with_name(final.name + TMP_SUFFIX)
+    try:
+        if unit.is_experts:
+            write_expert_unit(plan, unit, tmp, spec, threads)
+        else:
+            write_gpu_unit(plan, unit, tmp, quantizer)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        if exc.errno == errno.ENOSPC:
+            raise OutputError(f"{final}: disk full while writing; free space and rerun the same command to "
+                              "resume") from None
+        if isinstance(exc, OutputError) or exc.errno is None:
+            raise
+        raise OutputError(f"{final}: cannot write ({exc.strerror or exc})") from None
+    commit(tmp, final)
+
+
+def _write_small_files(plan: Plan, dst: Path, quantizer) -> list[str]:
+    """The safetensors index of the GPU weights, config.json (with the GPU quantization recorded) and every
+    other small source file (tokenizer, generation config, chat template, remote code), each atomically."""
+    weight_map = {}
+    for unit in plan.units:
+        if not unit.is_experts:
+            weight_map.update({spec.name: unit.path for n in unit.names for spec in quantizer.specs(plan, n)})
+    written = [INDEX_FILE]
+    write_bytes_atomic(dst / INDEX_FILE, json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2).encode())
+    config = json.loads((plan.source / "config.json").read_text())
+    quantizer.update_config(config)
+    write_bytes_atomic(dst / "config.json", (json.dumps(config, indent=2) + "\n").encode())
+    written.append("config.json")
+    for path in sorted(plan.source.iterdir()):
+        if (path.is_file() and path.name not in ("config.json", INDEX_FILE, MANIFEST_FILE)
+                and not path.name.endswith(WEIGHT_SUFFIXES)):
+            write_bytes_atomic(dst / path.name, path.read_bytes())
+            written.append(path.name)
+    return written
+
+
+def _manifest(plan: Plan, options: ConvertOptions, quantizer, key: dict, entries: list[dict]) -> dict:
+    try:
+        version = metadata.version("hybrid")
+    except metadata.PackageNotFoundError:
+        version = "unknown"
+    config = plan.config
+    return {
+        "format": MANIFEST_FORMAT,
+        "format_version": MANIFEST_VERSION,
+        "converter": f"hybrid-convert {version}",
+        "key": key,
+        "source": {"path": str(plan.source.resolve()), "architecture": config.architecture},
+        "model": {"num_layers": config.num_layers, "moe_layers": [i for i, m in enumerate(config.moe_layers) if m],
+                  "num_experts": config.moe.num_experts, "hidden_size": config.hidden_size,
+                  "moe_intermediate_size": config.moe.intermediate_size},
+        "experts": {"dtype": options.expert_dtype, "group_size": options.expert_group_size,
+                    "layout": "hybrid-experts v1",
+                    "files": {str(u.layer): u.path for u in plan.units if u.is_experts}},
+        "gpu": {"quantization": quantizer.name, "method": quantizer.method, "index": INDEX_FILE},
+        "files": entries,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }

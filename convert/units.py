@@ -1,0 +1,59 @@
+"""Writing one unit of the plan to a temporary file, one tensor (or one expert) in memory at a time.
+
+GPU units keep HuggingFace names: each tensor is copied as stored (its quantization parts too) or, with a GPU
+quantizer, quantized into the compressed-tensors parts. Expert units write the stacked layout of
+`cpu_experts.expert_file`, expert by expert, `threads` experts at a time.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from convert.plan import ROLES, Plan, Unit
+from cpu_experts.expert_file import ExpertLayerSpec, quantize_matrix
+from hybrid.safetensors_io import SafetensorsWriter, TensorSpec
+
+
+def write_gpu_unit(plan: Plan, unit: Unit, path: Path, quantizer) -> None:
+    specs = [spec for name in unit.names for spec in quantizer.specs(plan, name)]
+    writer = SafetensorsWriter(path, specs, {"format": "pt"})
+    try:
+        for name in unit.names:
+            for part, tensor in quantizer.tensors(plan, name).items():
+                writer.write(part, tensor)
+    except BaseException:
+        writer.abort()
+        raise
+    writer.close()
+
+
+def expert_spec(plan: Plan, dtype: str, group_size: int) -> ExpertLayerSpec:
+    config = plan.config
+    return ExpertLayerSpec(config.moe.num_experts, config.hidden_size, config.moe.intermediate_size, dtype,
+                           group_size)
+
+
+def write_expert_unit(plan: Plan, unit: Unit, path: Path, spec: ExpertLayerSpec, threads: int) -> None:
+    shapes = spec.tensor_shapes()
+    specs = [TensorSpec(name, dtype, shape) for name, (shape, dtype) in shapes.items()]
+    writer = SafetensorsWriter(path, specs, spec.metadata(unit.layer))
+
+    def one_expert(expert: int) -> None:
+        # Experts are independent rows of every stacked tensor: workers write disjoint byte ranges.
+        for role in ROLES:
+            weight = plan.ckpt.read(plan.expert_name(unit.layer, expert, role))
+            for part, tensor in quantize_matrix(weight, spec).items():
+                writer.write(f"{role}.{part}", tensor, row=expert)
+
+    try:
+        if threads == 1:
+            for expert in range(spec.num_experts):
+                one_expert(expert)
+        else:
+            with ThreadPoolExecutor(threads) as pool:
+                list(pool.map(one_expert, range(spec.num_experts)))  # list(): re-raises a worker's error
+    except BaseException:
+        writer.abort()
+        raise
+    writer.close()

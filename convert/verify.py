@@ -1,0 +1,79 @@
+"""`hybrid-convert verify DST [--source SRC]`: re-checks every file against the manifest's size and sha256 and,
+given the source checkpoint, measures each MoE layer's expert quantization error (relative RMS: the RMS of
+dequantized minus source weights over the RMS of the source weights, per projection role)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from convert.plan import ROLES, build_plan
+from hybrid.converted import MANIFEST_FILE, read_manifest
+from hybrid.errors import CheckpointError
+from hybrid.loader import open_sources
+from hybrid.safetensors_io import sha256_file
+
+
+@dataclass
+class VerifyReport:
+    num_files: int = 0
+    problems: list[str] = field(default_factory=list)
+    expert_error: dict[int, dict[str, float]] = field(default_factory=dict)  # layer -> role -> relative RMS
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def verify_checksums(dst: Path, manifest: dict, progress: bool | None = False) -> list[str]:
+    problems = []
+    for entry in tqdm(manifest.get("files") or [], desc="checksums", unit="file",
+                      disable=None if progress is None else not progress):
+        path = dst / entry["path"]
+        if not path.is_file():
+            problems.append(f"{path}: missing")
+        elif path.stat().st_size != entry.get("size"):
+            problems.append(f"{path}: size {path.stat().st_size} differs from the manifest's {entry.get('size')}")
+        elif sha256_file(path) != entry.get("sha256"):
+            problems.append(f"{path}: sha256 differs from the manifest")
+    return problems
+
+
+def verify(dst: str | Path, source: str | Path | None = None, progress: bool | None = None) -> VerifyReport:
+    dst = Path(dst)
+    manifest = read_manifest(dst)
+    if manifest is None:
+        raise CheckpointError(f"{dst}: no {MANIFEST_FILE}: not a finished hybrid-convert output (an interrupted "
+                              "conversion resumes when the same command is run again)")
+    report = VerifyReport(num_files=len(manifest.get("files") or []))
+    report.problems = verify_checksums(dst, manifest, progress)
+    if source is not None and report.ok:
+        report.expert_error = expert_errors(dst, Path(source), progress)
+    return report
+
+
+def expert_errors(dst: Path, source: Path, progress: bool | None = None) -> dict[int, dict[str, float]]:
+    """Per MoE layer and role, the relative RMS error of the converted experts against the source's."""
+    plan = build_plan(source)
+    converted = open_sources(plan.model, dst)
+    config = plan.config
+    layers = [i for i in range(config.num_layers) if config.moe_layers[i]]
+    out = {}
+    for layer in tqdm(layers, desc="expert error", unit="layer", disable=None if progress is None else not progress):
+        out[layer] = {}
+        for role in ROLES:
+            err = ref = 0.0
+            for expert in range(config.moe.num_experts):
+                name = plan.expert_name(layer, expert, role)
+                want = plan.ckpt.read(name).float()
+                got = converted[name].read(name).float()
+                if got.shape != want.shape:
+                    raise CheckpointError(f"{dst}: '{name}' has shape {tuple(got.shape)}, the source has "
+                                          f"{tuple(want.shape)}")
+                err += float((got - want).pow(2).sum())
+                ref += float(want.pow(2).sum())
+            out[layer][role] = math.sqrt(err / ref) if ref > 0 else math.sqrt(err)
+    return out

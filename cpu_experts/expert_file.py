@@ -1,0 +1,102 @@
+"""The on-disk layout of one MoE layer's routed experts (`experts/layer-NNN.safetensors`), shared by the
+converter that writes it and the runtime that reads it. `docs/format.md` is the user-facing description.
+
+Canonical and NUMA-agnostic: all E experts of the layer stacked along the first dimension, in the model's own
+order, with projections named by role whatever the checkpoint called them (Mixtral's w1/w3/w2 become
+gate/up/down). The runtime slices the intermediate dimension I per NUMA node at load time (rows of gate/up,
+columns of down); slice boundaries are multiples of the group size, so every slice owns whole scale groups.
+
+Tensors (E experts, H hidden, I intermediate, G = ceil(K / group_size) scale groups along the input K):
+    gate.weight [E, I, H]   up.weight [E, I, H]   down.weight [E, H, I]
+    gate.scales [E, I, G_H] up.scales [E, I, G_H] down.scales [E, H, G_I]   (float32; absent for bf16)
+`weight` is int8 (int8), packed uint8 with K/2 columns (int4, see `cpu_experts.formats`) or bfloat16 (bf16).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cpu_experts import formats
+
+EXPERT_DTYPES = ("int8", "int4", "bf16")
+ROLES = ("gate", "up", "down")
+FORMAT_NAME = "hybrid-experts"
+FORMAT_VERSION = "1"
+
+
+@dataclass(frozen=True)
+class ExpertLayerSpec:
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+    dtype: str  # one of EXPERT_DTYPES
+    group_size: int  # scale group along K; 0 = one scale per output row (per channel)
+
+    def __post_init__(self):
+        if self.dtype not in EXPERT_DTYPES:
+            raise ValueError(f"expert dtype '{self.dtype}' is not one of {', '.join(EXPERT_DTYPES)}")
+        if self.group_size < 0 or (self.dtype == "int4" and self.group_size == 0):
+            raise ValueError(f"group size {self.group_size} is invalid for {self.dtype} experts")
+
+    def matrix_shape(self, role: str) -> tuple[int, int]:
+        """(N, K) of one expert's projection: output rows, input columns."""
+        h, i = self.hidden_size, self.intermediate_size
+        return (h, i) if role == "down" else (i, h)
+
+    def group(self, cols: int) -> int:
+        return self.group_size or cols
+
+    def tensor_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Tensor name -> (shape, dtype), in file order."""
+        e = self.num_experts
+        shapes = {}
+        for role in ROLES:
+            n, k = self.matrix_shape(role)
+            if self.dtype == "bf16":
+                shapes[f"{role}.weight"] = ((e, n, k), torch.bfloat16)
+            elif self.dtype == "int8":
+                shapes[f"{role}.weight"] = ((e, n, k), torch.int8)
+            else:
+                shapes[f"{role}.weight"] = ((e, n, -(-k // 2)), torch.uint8)
+            if self.dtype != "bf16":
+                shapes[f"{role}.scales"] = ((e, n, -(-k // self.group(k))), torch.float32)
+        return shapes
+
+    def metadata(self, layer: int) -> dict[str, str]:
+        return {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "layer": str(layer),
+                "num_experts": str(self.num_experts), "hidden_size": str(self.hidden_size),
+                "intermediate_size": str(self.intermediate_size), "dtype": self.dtype,
+                "group_size": str(self.group_size)}
+
+    @classmethod
+    def from_metadata(cls, metadata: dict[str, str]) -> ExpertLayerSpec:
+        if metadata.get("format") != FORMAT_NAME or metadata.get("format_version") != FORMAT_VERSION:
+            raise ValueError(f"not a {FORMAT_NAME} v{FORMAT_VERSION} file (metadata {metadata})")
+        return cls(int(metadata["num_experts"]), int(metadata["hidden_size"]), int(metadata["intermediate_size"]),
+                   metadata["dtype"], int(metadata["group_size"]))
+
+
+def quantize_matrix(w: torch.Tensor, spec: ExpertLayerSpec) -> dict[str, torch.Tensor]:
+    """One expert's projection w [N, K] -> {'weight': ..., 'scales': ...} in the file's dtype."""
+    if spec.dtype == "bf16":
+        return {"weight": w.to(torch.bfloat16)}
+    group = spec.group(w.shape[1])
+    if spec.dtype == "int8":
+        q, scales = formats.quantize_int8(w, group)
+    else:
+        q, scales = formats.quantize_int4(w, group)
+    return {"weight": q, "scales": scales}
+
+
+def dequantize_matrix(weight: torch.Tensor, scales: torch.Tensor | None, role: str,
+                      spec: ExpertLayerSpec) -> torch.Tensor:
+    """The reference dequantization of one expert's projection -> float32 [N, K]."""
+    _, k = spec.matrix_shape(role)
+    if spec.dtype == "bf16":
+        return weight.float()
+    group = spec.group(k)
+    if spec.dtype == "int8":
+        return formats.dequantize_int8(weight, scales, group)
+    return formats.dequantize_int4(weight, scales, group, k)

@@ -1,0 +1,95 @@
+"""Reading a `hybrid-convert` output directory: its manifest (`hybrid.json`) and its routed-expert files.
+
+The GPU weights of a converted directory are an ordinary (possibly compressed-tensors) checkpoint that
+`hybrid.checkpoint` reads; the experts live in `experts/layer-NNN.safetensors` (layout in
+`cpu_experts.expert_file`). Until the CPU-experts operator consumes the packed data directly, the experts are
+dequantized here, expert by expert, into the model's stacked expert parameters.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from cpu_experts.expert_file import ROLES, ExpertLayerSpec, dequantize_matrix
+from hybrid.errors import CheckpointError
+from hybrid.safetensors_io import SafetensorsFile
+
+MANIFEST_FILE = "hybrid.json"
+MANIFEST_FORMAT = "hybrid-converted"
+MANIFEST_VERSION = 1
+
+
+def read_manifest(directory: Path) -> dict | None:
+    """The manifest of a converted directory, or None for a plain checkpoint."""
+    path = Path(directory) / MANIFEST_FILE
+    if not path.is_file():
+        return None
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: unreadable manifest ({exc})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
+        raise CheckpointError(f"{path}: not a {MANIFEST_FORMAT} manifest")
+    if manifest.get("format_version") != MANIFEST_VERSION:
+        raise CheckpointError(f"{path}: format_version {manifest.get('format_version')!r} is not supported (this "
+                              f"hybrid reads version {MANIFEST_VERSION}); convert the model again")
+    return manifest
+
+
+class ConvertedExperts:
+    """Logical expert tensors (`model.layers.N.mlp.experts.E.gate_proj.weight`, ...) read from the expert files."""
+
+    def __init__(self, directory: Path, manifest: dict, model):
+        self.directory = Path(directory)
+        self.model = model
+        self.layers: dict[int, tuple[SafetensorsFile, ExpertLayerSpec]] = {}
+        try:
+            layer_files = {int(k): v for k, v in manifest["experts"]["files"].items()}
+        except (KeyError, TypeError, ValueError, AttributeError):
+            manifest_path = self.directory / MANIFEST_FILE
+            raise CheckpointError(f"{manifest_path}: 'experts.files' is missing or malformed") from None
+        self._names: dict[str, tuple[int, int, str]] = {}
+        for layer, rel in sorted(layer_files.items()):
+            path = self.directory / rel
+            if not path.is_file():
+                raise CheckpointError(f"{path}: expert file listed in {MANIFEST_FILE} is missing")
+            file = SafetensorsFile(path)
+            try:
+                spec = ExpertLayerSpec.from_metadata(file.metadata)
+            except (KeyError, ValueError) as exc:
+                raise CheckpointError(f"{path}: {exc}") from None
+            self._check_layout(file, spec)
+            self.layers[layer] = (file, spec)
+            for e in range(spec.num_experts):
+                for role in ROLES:
+                    self._names[model.routed_expert_name(layer, e, role)] = (layer, e, role)
+
+    def _check_layout(self, file: SafetensorsFile, spec: ExpertLayerSpec) -> None:
+        for name, (shape, dtype) in spec.tensor_shapes().items():
+            info = file.tensors.get(name)
+            if info is None or info.shape != shape or info.dtype != dtype:
+                found = "missing" if info is None else f"{info.dtype} {info.shape}"
+                raise CheckpointError(f"{file.path}: tensor '{name}' is {found}, expected {dtype} {shape}")
+
+    def file_names(self) -> set[str]:
+        return {file.path.name for file, _ in self.layers.values()}
+
+    def names(self) -> set[str]:
+        return set(self._names)
+
+    def file_of(self, name: str) -> Path:
+        return self.layers[self._names[name][0]][0].path
+
+    def logical_shape(self, name: str) -> tuple[int, ...]:
+        layer, _, role = self._names[name]
+        return self.layers[layer][1].matrix_shape(role)
+
+    def read(self, name: str) -> torch.Tensor:
+        layer, expert, role = self._names[name]
+        file, spec = self.layers[layer]
+        scales = file.read(f"{role}.scales", expert) if spec.dtype != "bf16" else None
+        weight = file.read(f"{role}.weight", expert)
+        return weight if spec.dtype == "bf16" else dequantize_matrix(weight, scales, role, spec)
