@@ -14,6 +14,7 @@ import torch
 
 from convert.options import ConvertOptions
 from convert.plan import Plan
+from hybrid.errors import ConfigError
 from hybrid.safetensors_io import TensorSpec
 
 
@@ -47,6 +48,10 @@ def is_quantizable(plan: Plan, name: str) -> bool:
 def make_quantizer(plan: Plan, options: ConvertOptions):
     if options.gpu_quant == "none":
         return Passthrough()
-    from convert.compressed import CompressedQuantizer  # imports llm-compressor: only when asked for
+    try:
+        from convert.compressed import CompressedQuantizer  # imports llm-compressor: only when asked for
+    except ImportError as exc:
+        raise ConfigError(f"--gpu-quant {options.gpu_quant} needs llm-compressor ({exc}); install it with "
+                          "pip install -e \".[quant]\"") from None
 
     return CompressedQuantizer(plan, options)

@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from convert import gpu_quant
 from convert.manifest import (
+    JOURNAL_DIR,
     MANIFEST_FILE,
     MANIFEST_FORMAT,
     MANIFEST_VERSION,
@@ -32,7 +33,7 @@ from convert.options import ConvertOptions
 from convert.plan import Plan, Unit, build_plan
 from convert.units import expert_spec, write_expert_unit, write_gpu_unit
 from hybrid.checkpoint import INDEX_FILE
-from hybrid.errors import OutputError
+from hybrid.errors import HybridError, OutputError
 from hybrid.safetensors_io import TMP_SUFFIX, commit, element_size, write_bytes_atomic
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5", ".ckpt")
@@ -55,16 +56,32 @@ def convert(source: str | Path, dst: str | Path, options: ConvertOptions, progre
     key = {"format_version": MANIFEST_VERSION, "options": options.fingerprint(),
            "source": source_fingerprint(source, sorted({f.path for f in plan.ckpt.files.values()}),
                                         options.calib_file)}
+    threads = torch.get_num_threads()
+    try:
+        if options.overwrite:
+            _clear_previous(dst)
+        report = _convert(plan, quantizer, dst, key, options, progress)
+    except OutputError:
+        raise
+    except OSError as exc:  # the output side: the source reader raises CheckpointError for its own failures
+        raise _output_error(dst, exc) from None
+    finally:
+        torch.set_num_threads(threads)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _convert(plan: Plan, quantizer, dst: Path, key: dict, options: ConvertOptions, progress) -> Report:
     report = Report(dst)
-    if _finished_already(dst, key, options):
+    if _finished_already(dst, key):
         report.skipped = [unit.path for unit in plan.units]
         return report
     journal = Journal(dst, key)
     previous = journal.load()
-    if previous is not None and previous.get("key") != key and not options.overwrite:
+    if previous is not None and previous.get("key") != key:
         raise OutputError(f"{dst}: holds an unfinished conversion of another source or other options; rerun with "
                           "the same ones to resume, or pass --overwrite")
-    done = journal.resume(dst) if previous is not None and previous.get("key") == key else {}
+    done = journal.resume(dst) if previous is not None else {}
     todo = [unit for unit in plan.units if unit.path not in done]
     spec = expert_spec(plan, options.expert_dtype, options.expert_group_size)
     _check_space(dst, sum(_unit_bytes(plan, unit, quantizer, spec) for unit in todo))
@@ -87,8 +104,14 @@ def convert(source: str | Path, dst: str | Path, options: ConvertOptions, progre
     entries = [journal.done[u.path] for u in plan.units] + [file_entry(dst, rel) for rel in small]
     write_manifest(dst, _manifest(plan, options, quantizer, key, entries))
     journal.remove()
-    report.seconds = time.perf_counter() - start
     return report
+
+
+def _output_error(dst: Path, exc: OSError) -> OutputError:
+    where = exc.filename or dst
+    if exc.errno == errno.ENOSPC:
+        return OutputError(f"{where}: disk full while writing; free space and rerun the same command to resume")
+    return OutputError(f"{where}: cannot write ({exc.strerror or exc})")
 
 
 def _prepare(source: Path, dst: Path) -> None:
@@ -105,22 +128,38 @@ def _prepare(source: Path, dst: Path) -> None:
         raise OutputError(f"{dst}: not writable ({exc.strerror or exc})") from None
 
 
-def _finished_already(dst: Path, key: dict, options: ConvertOptions) -> bool:
+def _finished_already(dst: Path, key: dict) -> bool:
     """True when DST already holds this exact conversion with every checksum intact. A finished conversion with
     damaged files is turned back into an unfinished one (its intact files are kept); one of another source or
     other options needs --overwrite."""
     manifest = read_manifest(dst)
     if manifest is None:
         return False
-    if manifest.get("key") != key and not options.overwrite:
+    if manifest.get("key") != key:
         raise OutputError(f"{dst}: already holds a finished conversion of another source or other options; "
                           "pass --overwrite to replace it")
-    if manifest.get("key") == key:
-        journal = Journal(dst, key)
-        if not options.overwrite and not journal.resume_from(dst, manifest.get("files") or []):
-            return True
+    if not Journal(dst, key).resume_from(dst, manifest.get("files") or []):
+        return True
     (dst / MANIFEST_FILE).unlink()  # from here on the directory is unfinished again
     return False
+
+
+def _clear_previous(dst: Path) -> None:
+    """--overwrite: removes what an earlier conversion wrote, its manifest first (so DST never looks finished),
+    whether or not that manifest is readable. Files the converter did not write are left alone."""
+    listed: list[str] = []
+    try:
+        manifest = read_manifest(dst)
+        listed = [entry["path"] for entry in (manifest or {}).get("files", [])]
+    except (HybridError, KeyError, TypeError):
+        pass  # unreadable: the file patterns below still find the converter's files
+    (dst / MANIFEST_FILE).unlink(missing_ok=True)
+    shutil.rmtree(dst / JOURNAL_DIR, ignore_errors=True)
+    root = dst.resolve()
+    owned = [*dst.glob("gpu-*.safetensors"), *(dst / "experts").glob("layer-*.safetensors"), dst / INDEX_FILE]
+    for path in owned + [dst / rel for rel in listed]:
+        if path.is_file() and root in path.resolve().parents:
+            path.unlink()
 
 
 def _unit_bytes(plan: Plan, unit: Unit, quantizer, spec) -> int:
@@ -159,12 +198,10 @@ def _write_unit(plan: Plan, unit: Unit, dst: Path, quantizer, spec, threads: int
             write_gpu_unit(plan, unit, tmp, quantizer)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
-        if exc.errno == errno.ENOSPC:
-            raise OutputError(f"{final}: disk full while writing; free space and rerun the same command to "
-                              "resume") from None
-        if isinstance(exc, OutputError) or exc.errno is None:
+        if isinstance(exc, OutputError):
             raise
-        raise OutputError(f"{final}: cannot write ({exc.strerror or exc})") from None
+        exc.filename = exc.filename or str(final)
+        raise _output_error(final, exc) from None
     commit(tmp, final)
 
 

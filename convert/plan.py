@@ -75,6 +75,8 @@ def build_plan(source: str | Path) -> Plan:
 def _check_shapes(ckpt: Checkpoint, model: MoECausalLM) -> None:
     targets = model.checkpoint_targets()
     for name in ckpt.parts:
+        if not model.is_ignored_tensor(name):
+            ckpt.check_parts(name)
         shape = ckpt.logical_shape(name)
         if name in targets and shape is not None and shape != tuple(targets[name].shape):
             raise CheckpointError(f"{ckpt.file_of(name)}: tensor '{name}' has shape {shape}, expected "

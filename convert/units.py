@@ -20,12 +20,16 @@ def write_gpu_unit(plan: Plan, unit: Unit, path: Path, quantizer) -> None:
     writer = SafetensorsWriter(path, specs, {"format": "pt"})
     try:
         for name in unit.names:
-            for part, tensor in quantizer.tensors(plan, name).items():
-                writer.write(part, tensor)
+            parts = quantizer.tensors(plan, name)
+            while parts:  # popped, so no tensor outlives its write (embeddings can be gigabytes)
+                writer.write(*parts.popitem())
     except BaseException:
         writer.abort()
         raise
     writer.close()
+
+
+CHUNK_ROWS = 256  # rows of one projection quantized at a time (DeepSeek-V3 gate: 256 x 7168 float32 = 7 MiB)
 
 
 def expert_spec(plan: Plan, dtype: str, group_size: int) -> ExpertLayerSpec:
@@ -40,11 +44,14 @@ def write_expert_unit(plan: Plan, unit: Unit, path: Path, spec: ExpertLayerSpec,
     writer = SafetensorsWriter(path, specs, spec.metadata(unit.layer))
 
     def one_expert(expert: int) -> None:
-        # Experts are independent rows of every stacked tensor: workers write disjoint byte ranges.
+        # Experts are independent entries of every stacked tensor: workers write disjoint byte ranges. Rows are
+        # quantized independently, so chunks of rows bound the float32 temporaries of each worker.
         for role in ROLES:
             weight = plan.ckpt.read(plan.expert_name(unit.layer, expert, role))
-            for part, tensor in quantize_matrix(weight, spec).items():
-                writer.write(f"{role}.{part}", tensor, row=expert)
+            for first in range(0, weight.shape[0], CHUNK_ROWS):
+                for part, tensor in quantize_matrix(weight[first:first + CHUNK_ROWS], spec).items():
+                    writer.write(f"{role}.{part}", tensor, row=expert, first=first)
+            del weight  # before the next role's read
 
     try:
         if threads == 1:

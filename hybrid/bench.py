@@ -1,12 +1,29 @@
-"""`hybrid-bench`: benchmarks (cpu-moe, kernels, decode, prefill) arrive with their issues."""
+"""`hybrid-bench BENCHMARK [options]`: the project's benchmarks, one subcommand each.
 
+Each benchmark lives beside the code it measures and is imported only when run (`convert` measures the converter,
+which depends on this package, not the other way round). cpu-moe, kernels, decode and prefill arrive with the
+CPU-experts, kernels and engine work.
+"""
+
+from __future__ import annotations
+
+import importlib
 import sys
+
+BENCHMARKS = {
+    "convert": ("convert.bench", "hybrid-convert throughput and peak memory on a synthetic checkpoint"),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
-    print("hybrid-bench: not yet available (the benchmarks land with the CPU-experts, kernels and engine work)",
-          file=sys.stderr)
-    return 2
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] not in BENCHMARKS:
+        print("usage: hybrid-bench {" + ",".join(BENCHMARKS) + "} [options]", file=sys.stderr)
+        for name, (_, summary) in BENCHMARKS.items():
+            print(f"  {name:10s} {summary}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(BENCHMARKS[argv[0]][0])
+    return module.main(argv[1:])
 
 
 if __name__ == "__main__":

@@ -89,6 +89,24 @@ class Checkpoint:
             raise CheckpointError(f"{self.file_of(name)}: FP8 tensor '{name}' has no '{scale_name}'")
         return tensor
 
+    def check_parts(self, name: str) -> None:
+        """Checks from the headers alone that `name`'s stored parts fit together (FP8 weight and block scale)."""
+        if self.fp8_block is None:
+            return
+        scale_name = name + FP8_SCALE_SUFFIX
+        if name not in self.files:
+            raise CheckpointError(f"{self.file_of(name)}: '{scale_name}' has no weight '{name}'")
+        info = self.info(name)
+        if info.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+            return
+        if scale_name not in self.files:
+            raise CheckpointError(f"{self.file_of(name)}: FP8 tensor '{name}' has no '{scale_name}'")
+        rows, cols = info.shape
+        expected = (-(-rows // self.fp8_block[0]), -(-cols // self.fp8_block[1]))
+        if tuple(self.info(scale_name).shape) != expected:
+            raise CheckpointError(f"{self.files[scale_name].path}: '{scale_name}' has shape "
+                                  f"{tuple(self.info(scale_name).shape)}, expected {expected} for weight {rows}x{cols}")
+
     def logical_shape(self, name: str) -> tuple[int, ...] | None:
         """The shape `read(name)` returns, from the headers; None when only reading tells (packed weights)."""
         if name not in self.files:

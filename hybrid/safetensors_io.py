@@ -170,16 +170,26 @@ class SafetensorsWriter:
             self.abort()
             raise
 
-    def write(self, name: str, tensor: torch.Tensor, row: int | None = None) -> None:
-        """Writes all of tensor `name`, or row `row` of its first dimension."""
+    def write(self, name: str, tensor: torch.Tensor, row: int | None = None, first: int = 0) -> None:
+        """Writes all of tensor `name`; or, with `row`, rows `first..first+len(tensor)` of `name[row]` (a stacked
+        tensor's entry written whole, or in chunks of its own rows)."""
         spec, offset = self.layout[name]
-        shape = spec.shape if row is None else spec.shape[1:]
-        if tensor.dtype != spec.dtype or tuple(tensor.shape) != tuple(shape):
-            raise ValueError(f"{self.path}: '{name}' expects {spec.dtype} {tuple(shape)}, got {tensor.dtype} "
+        entry = spec.shape[1:]
+        if row is None:
+            expected = spec.shape
+        elif not entry:
+            expected = ()
+        else:
+            expected = (tensor.shape[0] if tensor.dim() else 0, *entry[1:])
+            if first + expected[0] > entry[0]:
+                raise ValueError(f"{self.path}: rows {first}..{first + expected[0]} of '{name}[{row}]' exceed "
+                                 f"{entry[0]}")
+        if tensor.dtype != spec.dtype or tuple(tensor.shape) != tuple(expected):
+            raise ValueError(f"{self.path}: '{name}' expects {spec.dtype} {tuple(expected)}, got {tensor.dtype} "
                              f"{tuple(tensor.shape)}")
         data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
         if row is not None:
-            offset += row * data.nbytes
+            offset += (row * math.prod(entry) + first * math.prod(entry[1:])) * element_size(spec.dtype)
         self._pwrite(memoryview(data), self.data_start + offset)
         with self._lock:
             self._pending[name] -= data.nbytes
@@ -236,8 +246,12 @@ def commit(tmp: Path, final: Path) -> None:
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + TMP_SUFFIX)
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     commit(tmp, path)

@@ -1,0 +1,45 @@
+"""`hybrid-bench` dispatch and the synthetic shapes its benchmarks build (the timing itself is not tested)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hybrid.bench import main
+from hybrid.models import load_model_config
+from hybrid.synthetic import SHAPES, write_synthetic_checkpoint
+
+# At the released layer counts the synthetic configs have the released models' sizes (MTP layers excluded).
+RELEASED = {"qwen3-30b-a3b": (48, 30.5), "qwen3-235b-a22b": (94, 235.1), "deepseek-v3": (61, 671.0)}
+
+
+def test_usage_lists_the_benchmarks(capsys):
+    assert main([]) == 2
+    assert main(["no-such-benchmark"]) == 2
+    assert "convert" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_synthetic_shapes_are_the_released_models(tmp_path, shape):
+    layers, billions = RELEASED[shape]
+    (tmp_path / "config.json").write_text(json.dumps(dict(SHAPES[shape], num_hidden_layers=layers)))
+    cls, config = load_model_config(tmp_path)
+    with torch.device("meta"):
+        model = cls(config)
+    total = sum(p.numel() for p in model.parameters()) / 1e9
+    assert abs(total - billions) / billions < 0.015, f"{shape}: {total:.1f}B parameters, released {billions}B"
+
+
+def test_synthetic_checkpoint_loads(tmp_path, monkeypatch):
+    """A synthetic checkpoint is a valid checkpoint (shrunk here: the real shapes are gigabytes per layer)."""
+    small = dict(SHAPES["qwen3-30b-a3b"], vocab_size=512, hidden_size=64, intermediate_size=96,
+                 moe_intermediate_size=32, num_experts=8, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    monkeypatch.setitem(SHAPES, "tiny", small)
+    total = write_synthetic_checkpoint(tmp_path, "tiny", num_layers=2)
+    assert total > 0
+    from hybrid import LLM
+
+    logits = LLM(tmp_path, dtype="float32").prefill_logits([5, 6, 7])
+    assert logits.shape == (3, 512) and torch.isfinite(logits).all()
