@@ -58,12 +58,12 @@ def _convert(args) -> int:
 
     options = from_namespace(ConvertOptions, args)
     report = convert(args.source, args.dst, options)
-    if report.written or not report.skipped:
-        resumed = f", {len(report.skipped)} already done" if report.skipped else ""
-        print(f"hybrid-convert: wrote {len(report.written)} files{resumed} to {report.dst} in "
-              f"{report.seconds:.1f} s")
-    else:
+    if report.is_already_done:
         print(f"hybrid-convert: {report.dst} already holds this conversion, checksums intact")
+    else:
+        resumed = f", {len(report.skipped)} already done" if report.skipped else ""
+        print(f"hybrid-convert: wrote {len(report.written)} weight files{resumed} to {report.dst} in "
+              f"{report.seconds:.1f} s")
     return 0
 
 

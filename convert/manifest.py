@@ -24,11 +24,16 @@ __all__ = ["MANIFEST_FILE", "MANIFEST_FORMAT", "MANIFEST_VERSION", "Journal", "r
            "source_fingerprint", "file_entry"]
 
 
-def source_fingerprint(source: Path, files: list[Path], calib_file: Path | None) -> str:
-    """Identifies the source cheaply: config.json's bytes, each shard's name and size, the calibration text."""
+def source_fingerprint(source: Path, shards: list[Path], small_files: list[Path], calib_file: Path | None) -> str:
+    """Identifies the source without reading its weights: config.json's bytes, each shard's name, size and
+    modification time, the bytes of the small files that are copied, the calibration text. A shard rewritten in
+    place (new mtime) makes a different source, so a rerun converts it again instead of resuming."""
     digest = hashlib.sha256((source / "config.json").read_bytes())
-    for path in sorted(files):
-        digest.update(f"{path.name}:{path.stat().st_size}\n".encode())
+    for path in sorted(shards):
+        stat = path.stat()
+        digest.update(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}\n".encode())
+    for path in small_files:
+        digest.update(f"{path.name}\n".encode() + path.read_bytes())
     if calib_file is not None:
         digest.update(Path(calib_file).read_bytes())
     return digest.hexdigest()

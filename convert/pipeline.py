@@ -44,6 +44,7 @@ class Report:
     dst: Path
     written: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)  # units found complete and verified (resume)
+    is_already_done: bool = False  # DST held this exact conversion, checksums intact: nothing was written
     seconds: float = 0.0
 
 
@@ -55,7 +56,7 @@ def convert(source: str | Path, dst: str | Path, options: ConvertOptions, progre
     _prepare(source, dst)
     key = {"format_version": MANIFEST_VERSION, "options": options.fingerprint(),
            "source": source_fingerprint(source, sorted({f.path for f in plan.ckpt.files.values()}),
-                                        options.calib_file)}
+                                        _small_files(source), options.calib_file)}
     threads = torch.get_num_threads()
     try:
         if options.overwrite:
@@ -75,6 +76,7 @@ def _convert(plan: Plan, quantizer, dst: Path, key: dict, options: ConvertOption
     report = Report(dst)
     if _finished_already(dst, key):
         report.skipped = [unit.path for unit in plan.units]
+        report.is_already_done = True
         return report
     journal = Journal(dst, key)
     previous = journal.load()
@@ -107,8 +109,9 @@ def _convert(plan: Plan, quantizer, dst: Path, key: dict, options: ConvertOption
     return report
 
 
-def _output_error(dst: Path, exc: OSError) -> OutputError:
-    where = exc.filename or dst
+def _output_error(path: Path, exc: OSError) -> OutputError:
+    """A one-line error for a failed write; `path` names the file (or DST) when the OSError does not."""
+    where = exc.filename or path
     if exc.errno == errno.ENOSPC:
         return OutputError(f"{where}: disk full while writing; free space and rerun the same command to resume")
     return OutputError(f"{where}: cannot write ({exc.strerror or exc})")
@@ -178,8 +181,12 @@ def _numel(shape) -> int:
 def _check_space(dst: Path, needed: int) -> None:
     free = shutil.disk_usage(dst).free
     if needed > free:
-        raise OutputError(f"{dst}: not enough disk space: the conversion needs {needed / 2**30:.2f} GiB more, "
-                          f"{free / 2**30:.2f} GiB are free")
+        raise OutputError(f"{dst}: not enough disk space: the conversion needs {_size(needed)} more, "
+                          f"{_size(free)} are free")
+
+
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:.2f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.1f} MiB"
 
 
 def _remove_stale_temporaries(dst: Path) -> None:
@@ -200,7 +207,6 @@ def _write_unit(plan: Plan, unit: Unit, dst: Path, quantizer, spec, threads: int
         tmp.unlink(missing_ok=True)
         if isinstance(exc, OutputError):
             raise
-        exc.filename = exc.filename or str(final)
         raise _output_error(final, exc) from None
     commit(tmp, final)
 
@@ -218,12 +224,17 @@ def _write_small_files(plan: Plan, dst: Path, quantizer) -> list[str]:
     quantizer.update_config(config)
     write_bytes_atomic(dst / "config.json", (json.dumps(config, indent=2) + "\n").encode())
     written.append("config.json")
-    for path in sorted(plan.source.iterdir()):
-        if (path.is_file() and path.name not in ("config.json", INDEX_FILE, MANIFEST_FILE)
-                and not path.name.endswith(WEIGHT_SUFFIXES)):
-            write_bytes_atomic(dst / path.name, path.read_bytes())
-            written.append(path.name)
+    for path in _small_files(plan.source):
+        write_bytes_atomic(dst / path.name, path.read_bytes())
+        written.append(path.name)
     return written
+
+
+def _small_files(source: Path) -> list[Path]:
+    """The source's files other than weights, its index and config.json (tokenizer, templates, remote code)."""
+    return [path for path in sorted(source.iterdir())
+            if path.is_file() and path.name not in ("config.json", INDEX_FILE, MANIFEST_FILE)
+            and not path.name.endswith(WEIGHT_SUFFIXES)]
 
 
 def _manifest(plan: Plan, options: ConvertOptions, quantizer, key: dict, entries: list[dict]) -> dict:

@@ -251,6 +251,9 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise OSError(exc.errno, exc.strerror, str(path)) from None  # name the file (a failed write does not)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
