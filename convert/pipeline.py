@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -167,15 +168,8 @@ def _clear_previous(dst: Path) -> None:
 
 def _unit_bytes(plan: Plan, unit: Unit, quantizer, spec) -> int:
     if unit.is_experts:
-        return sum(e * element_size(dt) for shape, dt in spec.tensor_shapes().values() for e in [_numel(shape)])
-    return sum(_numel(s.shape) * element_size(s.dtype) for n in unit.names for s in quantizer.specs(plan, n))
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+        return sum(math.prod(shape) * element_size(dtype) for shape, dtype in spec.tensor_shapes().values())
+    return sum(math.prod(s.shape) * element_size(s.dtype) for n in unit.names for s in quantizer.specs(plan, n))
 
 
 def _check_space(dst: Path, needed: int) -> None:

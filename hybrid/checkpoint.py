@@ -22,6 +22,7 @@ from hybrid.safetensors_io import SafetensorsFile, TensorInfo
 
 INDEX_FILE = "model.safetensors.index.json"
 FP8_SCALE_SUFFIX = "_scale_inv"
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 @dataclass
@@ -76,16 +77,12 @@ class Checkpoint:
                                                 self.compressed.group_size)
             except ValueError as exc:
                 raise CheckpointError(f"{self.file_of(name)}: '{name}': {exc}") from None
-        tensor = self.read_raw(name) if name in self.files else None
+        self.check_parts(name)
+        tensor = self.read_raw(name)
         scale_name = name + FP8_SCALE_SUFFIX
-        if tensor is None:
-            raise CheckpointError(f"{self.file_of(name)}: '{scale_name}' has no weight '{name}'")
-        if self.fp8_block is not None and scale_name in self.files:
-            try:
-                return dequantize_fp8_block(tensor, self.read_raw(scale_name), self.fp8_block)
-            except ValueError as exc:
-                raise CheckpointError(f"{self.files[scale_name].path}: '{scale_name}': {exc}") from None
-        if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        if scale_name in stored:
+            return dequantize_fp8_block(tensor, self.read_raw(scale_name), self.fp8_block)  # shapes checked above
+        if tensor.dtype in FP8_DTYPES:
             raise CheckpointError(f"{self.file_of(name)}: FP8 tensor '{name}' has no '{scale_name}'")
         return tensor
 
@@ -97,7 +94,7 @@ class Checkpoint:
         if name not in self.files:
             raise CheckpointError(f"{self.file_of(name)}: '{scale_name}' has no weight '{name}'")
         info = self.info(name)
-        if info.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        if info.dtype not in FP8_DTYPES:
             return
         if scale_name not in self.files:
             raise CheckpointError(f"{self.file_of(name)}: FP8 tensor '{name}' has no '{scale_name}'")
