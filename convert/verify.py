@@ -58,7 +58,7 @@ def verify(dst: str | Path, source: str | Path | None = None, progress: bool | N
 def expert_errors(dst: Path, source: Path, progress: bool | None = None) -> dict[int, dict[str, float]]:
     """Per MoE layer and role, the relative RMS error of the converted experts against the source's."""
     plan = build_plan(source)
-    converted = open_sources(plan.model, dst)
+    converted, _ = open_sources(plan.model, dst)
     config = plan.config
     layers = [i for i in range(config.num_layers) if config.moe_layers[i]]
     out = {}

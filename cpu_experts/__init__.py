@@ -3,5 +3,11 @@
 Contract: an experts operator takes hidden states [T, H], top-k expert ids [T, K] (an id of -1 means the
 expert is computed elsewhere and contributes nothing here) and top-k weights [T, K], and returns
 [T, H] = sum_k weight[t, k] * expert_{id[t, k]}(hidden[t]) with the SiLU-gated expert MLP.
-`cpu_experts.reference` is the plain-PyTorch oracle; the packed INT8/INT4 kernels are tested against it.
+
+Data flow: an expert file (`expert_file`: the converter's canonical layout, quantized by `formats`) -> `packed`
+(split along I into partitions, one per NUMA node from `topology`, or forced) -> `operator.CpuMoE` (numba decode
+kernels in `kernels`, PyTorch matmul for prefill) -> `module.CpuExperts`, the experts-backend module the models use.
+`executor` runs an operator asynchronously (submit / sync over fixed, pinnable buffers) so the engine can overlap
+it with GPU work. `reference` is the plain-PyTorch oracle the kernels are tested against. Nothing here imports the
+engine (`hybrid`).
 """

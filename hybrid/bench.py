@@ -1,8 +1,8 @@
 """`hybrid-bench BENCHMARK [options]`: the project's benchmarks, one subcommand each.
 
 Each benchmark lives beside the code it measures and is imported only when run (`convert` measures the converter,
-which depends on this package, not the other way round). cpu-moe, kernels, decode and prefill arrive with the
-CPU-experts, kernels and engine work.
+which depends on this package, not the other way round). kernels, decode and prefill arrive with the kernels
+and engine work.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import sys
 
 BENCHMARKS = {
     "convert": ("convert.bench", "hybrid-convert throughput and peak memory on a synthetic checkpoint"),
+    "cpu-moe": ("cpu_experts.bench", "CPU MoE operator: GB/s and TFLOP/s against the measured limits"),
 }
 
 

@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 
 from cpu_experts.expert_file import ROLES, ExpertLayerSpec, dequantize_matrix
+from cpu_experts.module import CpuExperts
+from cpu_experts.packed import PackedLayer
 from hybrid.errors import CheckpointError
 from hybrid.safetensors_io import SafetensorsFile
 
@@ -93,3 +95,20 @@ class ConvertedExperts:
         scales = file.read(f"{role}.scales", expert) if spec.dtype != "bf16" else None
         weight = file.read(f"{role}.weight", expert)
         return weight if spec.dtype == "bf16" else dequantize_matrix(weight, scales, role, spec)
+
+
+def cpu_experts_factory(layer_idx: int, config) -> CpuExperts:
+    """Experts factory for converted models: the CPU operator, its weights loaded by `load_cpu_experts`."""
+    return CpuExperts(layer_idx)
+
+
+def load_cpu_experts(model, experts: ConvertedExperts, num_partitions: int) -> None:
+    """Hands every `CpuExperts` module of `model` its layer's packed weights, split into `num_partitions`."""
+    for module in model.modules():
+        if isinstance(module, CpuExperts):
+            if module.layer_idx not in experts.layers:
+                raise CheckpointError(f"{experts.directory / MANIFEST_FILE}: no expert file for MoE layer "
+                                      f"{module.layer_idx}")
+            file, spec = experts.layers[module.layer_idx]
+            tensors = {name: file.read(name) for name in spec.tensor_shapes()}
+            module.load(PackedLayer.from_file_tensors(tensors, spec, num_partitions))

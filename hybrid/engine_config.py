@@ -17,12 +17,15 @@ class EngineConfig:
     dtype: str = "bfloat16"  # weights and activations; routers and norms compute in float32 regardless
     max_model_len: int | None = None  # prompt + generated tokens per sequence; None: min(model limit, 4096)
     block_size: int = 16  # tokens per KV-cache page
+    numa_partitions: int | None = None  # CPU experts: partitions of I; None: one per NUMA node
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype '{self.dtype}' is not supported; supported: {', '.join(DTYPES)}")
         if self.block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
+        if self.numa_partitions is not None and self.numa_partitions < 1:
+            raise ConfigError(f"numa_partitions must be >= 1, got {self.numa_partitions}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
         try:

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import torch
 
+from cpu_experts.topology import discover_nodes
 from hybrid.block_manager import BlockAllocator, blocks_needed
+from hybrid.converted import cpu_experts_factory, read_manifest
 from hybrid.engine_config import EngineConfig
 from hybrid.forward_batch import ForwardBatch, SequenceSlice
 from hybrid.kv_cache import allocate_kv_cache
@@ -39,12 +41,17 @@ def build_model(cls: type[MoECausalLM], config, engine: EngineConfig, backends: 
 
 class LLM:
     def __init__(self, path: str | Path, device: str = "cpu", dtype: str = "bfloat16",
-                 max_model_len: int | None = None, block_size: int = 16):
+                 max_model_len: int | None = None, block_size: int = 16, numa_partitions: int | None = None):
         self.engine_config = EngineConfig(device=device, dtype=dtype, max_model_len=max_model_len,
-                                          block_size=block_size)
+                                          block_size=block_size, numa_partitions=numa_partitions)
         cls, self.config = load_model_config(path)
-        self.model = build_model(cls, self.config, self.engine_config)
-        load_weights(self.model, path)
+        # Placement, decided once: a converted directory's routed experts run on the CPU operator; a plain
+        # checkpoint's run through the PyTorch reference on the engine's device.
+        is_converted = read_manifest(Path(path)) is not None
+        backends = Backends(make_experts=cpu_experts_factory) if is_converted else None
+        self.model = build_model(cls, self.config, self.engine_config, backends)
+        partitions = numa_partitions or len(discover_nodes())
+        load_weights(self.model, path, partitions)
         self.max_model_len = max_model_len or min(self.config.max_position_embeddings, 4096)
         num_blocks = blocks_needed(self.max_model_len, block_size)
         self.allocator = BlockAllocator(num_blocks)

@@ -19,8 +19,10 @@ from hybrid.errors import CheckpointError
 __all__ = ["load_weights", "open_sources", "check_names", "dequantize_fp8_block"]
 
 
-def open_sources(model, checkpoint_dir: str | Path) -> dict[str, object]:
-    """Logical tensor name -> the source that reads it (`Checkpoint` or converted experts), names checked."""
+def open_sources(model, checkpoint_dir: str | Path) -> tuple[dict[str, object], converted.ConvertedExperts | None]:
+    """Logical tensor name -> the source that reads it (`Checkpoint` or converted experts), names checked; and the
+    converted experts, if any. Expert tensors count only when the model has parameters for them (the CPU
+    operator takes the packed files instead)."""
     checkpoint_dir = Path(checkpoint_dir)
     config = model.config
     manifest = converted.read_manifest(checkpoint_dir)
@@ -28,15 +30,17 @@ def open_sources(model, checkpoint_dir: str | Path) -> dict[str, object]:
     ckpt = Checkpoint.open(checkpoint_dir, config.fp8_block_size, config.compressed_tensors,
                            exclude=experts.file_names() if experts else ())
     sources: dict[str, object] = {name: ckpt for name in ckpt.parts}
+    targets = model.checkpoint_targets()
     if experts:
-        sources.update({name: experts for name in experts.names()})
+        sources.update({name: experts for name in experts.names() if name in targets})
     check_names(checkpoint_dir, model, set(sources))
-    return sources
+    return sources, experts
 
 
-def load_weights(model, checkpoint_dir: str | Path) -> None:
-    """Copies every checkpoint tensor into `model` (a `MoECausalLM`), checking names and shapes first."""
-    sources = open_sources(model, checkpoint_dir)
+def load_weights(model, checkpoint_dir: str | Path, num_partitions: int = 1) -> None:
+    """Copies every checkpoint tensor into `model` (a `MoECausalLM`), checking names and shapes first; CPU
+    experts of a converted directory receive their packed files, split into `num_partitions`."""
+    sources, experts = open_sources(model, checkpoint_dir)
     targets = model.checkpoint_targets()
     present = sorted(name for name in sources if not model.is_ignored_tensor(name))
     for name in present:  # shapes from the headers first, so a bad one fails before the long copy
@@ -48,6 +52,8 @@ def load_weights(model, checkpoint_dir: str | Path) -> None:
         _check_shape(sources[name], name, tuple(tensor.shape), targets[name])
         with torch.no_grad():
             targets[name].copy_(tensor)
+    if experts is not None:
+        converted.load_cpu_experts(model, experts, num_partitions)
 
 
 def _check_shape(source, name: str, shape: tuple[int, ...], target: torch.Tensor) -> None:

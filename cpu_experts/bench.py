@@ -1,0 +1,160 @@
+"""`hybrid-bench cpu-moe`: the CPU MoE operator against the machine's limits, measured in the same run.
+
+Random quantized weights (the kernels' speed does not depend on the values) for enough layers that the weights
+are many times the last-level cache, uniform random routing, calls rotating over the layers so no call finds its
+experts in cache. Per (dtype, tokens, path): microseconds per call, GB/s of expert weights read (each routed expert
+read once per call), that rate over the memory read bandwidth measured by a large read-only pass, and TFLOP/s.
+Paths: `kernel` is the operator as it runs (decode kernels below the prefill threshold, matmul above);
+`matmul` forces the PyTorch prefill path, the simple alternative.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from numba import njit, prange
+
+from cpu_experts.expert_file import ExpertLayerSpec
+from cpu_experts.operator import DEFAULT_PREFILL_MIN_TOKENS, CpuMoE
+from cpu_experts.packed import PackedLayer, PartitionWeights
+
+# shape -> (experts, hidden, intermediate, top-k)
+SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8), "qwen3-235b-a22b": (128, 4096, 1536, 8),
+          "deepseek-v3": (256, 7168, 2048, 8), "small": (32, 512, 256, 4)}
+GROUPS = {"int8": 0, "int4": 128}
+ROW_SECONDS = 10.0
+
+
+def last_level_cache_bytes() -> int:
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        sizes.append(int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20}.get(text[-1], 1) if text[-1].isalpha()
+                     else int(text))
+    return max(sizes, default=32 << 20)
+
+
+@njit(parallel=True, fastmath=True, nogil=True, cache=True)
+def _read_all(data):
+    total = 0
+    for i in prange(data.shape[0]):
+        total += data[i]
+    return total
+
+
+def read_bandwidth(nbytes: int, repeats: int = 5) -> float:
+    """Bytes per second of one parallel read-only pass over `nbytes` (best of `repeats`)."""
+    data = np.ones(nbytes // 8, dtype=np.int64)
+    _read_all(data)
+    best = min(_timed(lambda: _read_all(data)) for _ in range(repeats))
+    return data.nbytes / best
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def random_layer(shape: str, dtype: str, seed: int) -> PackedLayer:
+    num_experts, hidden, inter, _ = SHAPES[shape]
+    spec = ExpertLayerSpec(num_experts, hidden, inter, dtype, GROUPS[dtype])
+    rng = np.random.default_rng(seed)
+    block = rng.integers(0, 256, size=1 << 24, dtype=np.uint8)  # tiled: generating gigabytes would dominate
+    arrays = {}
+    for name, (dims, tdtype) in spec.tensor_shapes().items():
+        if tdtype == torch.float32:
+            arrays[name] = (rng.random(dims, dtype=np.float32) * 1e-3)
+        else:
+            arrays[name] = np.resize(block, dims).view(torch.empty((), dtype=tdtype).numpy().dtype)
+    part = PartitionWeights(0, inter, arrays["gate.weight"], arrays["up.weight"], arrays["down.weight"],
+                            arrays.get("gate.scales"), arrays.get("up.scales"), arrays.get("down.scales"))
+    return PackedLayer(spec, [part])
+
+
+def measure(layers: list[PackedLayer], tokens: int, path: str, calls: int, seed: int) -> dict:
+    spec = layers[0].spec
+    top_k = SHAPES_BY_SPEC[(spec.num_experts, spec.hidden_size)]
+    threshold = DEFAULT_PREFILL_MIN_TOKENS if path == "kernel" else 1
+    ops = [CpuMoE(layer, prefill_min_tokens=threshold) for layer in layers]
+    gen = torch.Generator().manual_seed(seed)
+    times, read = [], []
+    started = time.perf_counter()
+    for call in range(calls + 2):
+        if call > 4 and time.perf_counter() - started > ROW_SECONDS:
+            break  # large prefill calls: a few are enough
+        ids = torch.stack([torch.randperm(spec.num_experts, generator=gen)[:top_k] for _ in range(tokens)])
+        x = torch.randn(tokens, spec.hidden_size, generator=gen).bfloat16()
+        w = torch.rand(tokens, top_k, generator=gen)
+        seconds = _timed(lambda: ops[call % len(ops)](x, ids, w))  # noqa: B023 (called at once)
+        if call >= 2:  # the first calls compile and warm up
+            times.append(seconds)
+            read.append(len(torch.unique(ids)) * layers[0].expert_bytes())
+    t = statistics.median(times)
+    flops = 2 * tokens * top_k * 3 * spec.hidden_size * spec.intermediate_size
+    return {"seconds": t, "bytes": statistics.median(read), "gb_s": statistics.median(read) / t / 1e9,
+            "tflop_s": flops / t / 1e12}
+
+
+SHAPES_BY_SPEC = {(e, h): k for e, h, _, k in SHAPES.values()}
+
+
+def run(args) -> list[dict]:
+    llc = last_level_cache_bytes()
+    bandwidth = read_bandwidth(max(8 * llc, 1 << 30))
+    rows = []
+    for dtype in args.dtype.split(","):
+        probe = random_layer(args.shape, dtype, 0)
+        num_layers = args.layers or max(2, -(-8 * llc // probe.nbytes))
+        layers = [probe] + [random_layer(args.shape, dtype, i) for i in range(1, num_layers)]
+        for tokens in (int(t) for t in args.tokens.split(",")):
+            for path in args.paths.split(","):
+                m = measure(layers, tokens, path, args.calls, seed=tokens)
+                rows.append({"shape": args.shape, "dtype": dtype, "tokens": tokens, "path": path,
+                             "layers": num_layers, "threads": torch.get_num_threads(),
+                             "us_per_call": m["seconds"] * 1e6, "weights_gb_s": m["gb_s"],
+                             "read_bandwidth_gb_s": bandwidth / 1e9,
+                             "fraction_of_bandwidth": m["gb_s"] * 1e9 / bandwidth,
+                             "tflop_s": m["tflop_s"], "llc_mib": llc / 2**20})
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="hybrid-bench cpu-moe", description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
+    parser.add_argument("--dtype", default="int8", help="comma-separated: int8,int4")
+    parser.add_argument("--tokens", default="1,4,32,512,2048", help="comma-separated token counts")
+    parser.add_argument("--paths", default="kernel", help="comma-separated: kernel (as it runs), matmul")
+    parser.add_argument("--layers", type=int, default=0, help="layers to rotate over (default: 8x the LLC)")
+    parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=0, help="torch/numba threads (default: all)")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+        import numba
+
+        numba.set_num_threads(args.threads)
+    rows = run(args)
+    if args.json:
+        for row in rows:
+            print(json.dumps(row))
+        return 0
+    r0 = rows[0]
+    print(f"{args.shape}: {r0['layers']} layers, LLC {r0['llc_mib']:.0f} MiB, read bandwidth "
+          f"{r0['read_bandwidth_gb_s']:.1f} GB/s, {r0['threads']} threads, {os.cpu_count()} CPUs")
+    print("dtype  tokens  path     us/call   weights GB/s  of-bandwidth  TFLOP/s")
+    for r in rows:
+        print(f"{r['dtype']:5s}  {r['tokens']:6d}  {r['path']:7s}  {r['us_per_call']:8.0f}  {r['weights_gb_s']:12.1f}"
+              f"  {r['fraction_of_bandwidth']:12.1%}  {r['tflop_s']:7.3f}")
+    return 0

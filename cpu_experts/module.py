@@ -1,0 +1,33 @@
+"""`CpuExperts`: the experts-backend module (see `hybrid.layers.backends`) that runs a layer's routed experts with
+`CpuMoE`. Its weights are a `PackedLayer` read from an expert file, not parameters, so the loader hands it the
+file's data (`load`) instead of copying tensors into it. Inputs on another device are computed on the CPU and the
+result is returned to their device.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from cpu_experts.operator import DEFAULT_PREFILL_MIN_TOKENS, CpuMoE
+from cpu_experts.packed import PackedLayer
+
+
+class CpuExperts(nn.Module):
+    def __init__(self, layer_idx: int, prefill_min_tokens: int = DEFAULT_PREFILL_MIN_TOKENS):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.prefill_min_tokens = prefill_min_tokens
+        self.op: CpuMoE | None = None
+
+    def load(self, packed: PackedLayer) -> None:
+        self.op = CpuMoE(packed, self.prefill_min_tokens)
+
+    def checkpoint_targets(self):
+        return iter(())  # nothing is copied in: `load` receives the packed weights
+
+    def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        if self.op is None:
+            raise RuntimeError(f"layer {self.layer_idx}: CPU experts used before their weights were loaded")
+        out = self.op(hidden.detach().cpu(), topk_ids.cpu(), topk_weights.cpu())
+        return out.to(hidden.device)

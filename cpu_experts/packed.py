@@ -1,0 +1,103 @@
+"""One MoE layer's routed experts in memory for the CPU kernels, split into partitions along the intermediate
+dimension I (one per NUMA node, or forced): partition p owns rows [start, end) of every expert's gate and up
+projections and the same columns of its down projection, so it computes a partial output that the partitions sum.
+
+Partition boundaries are multiples of the scale group along I (down's input), so each partition owns whole
+groups; with one scale per output row (per channel) every partition shares the row's scale. Arrays are numpy, C
+contiguous, in the file's dtypes (int8; packed int4 as uint8 with two columns per byte; bf16 as uint16 bits).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from cpu_experts.expert_file import ExpertLayerSpec, quantize_matrix
+from cpu_experts.topology import split_dim
+
+PARTITION_ALIGN = 32  # partition boundaries along I: whole SIMD vectors, and whole int4 bytes
+
+
+@dataclass
+class PartitionWeights:
+    start: int  # rows [start, end) of I
+    end: int
+    gate: np.ndarray  # [E, Ip, H] (int4: [E, Ip, H/2])
+    up: np.ndarray
+    down: np.ndarray  # [E, H, Ip] (int4: [E, H, Ip/2])
+    gate_scales: np.ndarray | None  # [E, Ip, G_H] float32
+    up_scales: np.ndarray | None
+    down_scales: np.ndarray | None  # [E, H, G_Ip] float32
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class PackedLayer:
+    spec: ExpertLayerSpec
+    partitions: list[PartitionWeights]
+
+    @property
+    def nbytes(self) -> int:
+        arrays = [a for p in self.partitions for a in (p.gate, p.up, p.down, p.gate_scales, p.up_scales,
+                                                         p.down_scales) if a is not None]
+        return sum(a.nbytes for a in arrays)
+
+    def expert_bytes(self) -> int:
+        """Bytes of weights and scales one expert reads (all partitions)."""
+        return self.nbytes // self.spec.num_experts
+
+    @classmethod
+    def from_file_tensors(cls, tensors: dict[str, torch.Tensor], spec: ExpertLayerSpec,
+                          num_partitions: int = 1) -> PackedLayer:
+        """Slices the stacked tensors of an expert file (`gate.weight`, `gate.scales`, ...) into partitions."""
+        arrays = {name: _numpy(t) for name, t in tensors.items()}
+        align = max(PARTITION_ALIGN, spec.group_size)
+        parts = []
+        for start, end in split_dim(spec.intermediate_size, num_partitions, align):
+            if start == end:
+                continue
+            parts.append(_slice(arrays, spec, start, end))
+        return cls(spec, parts)
+
+    @classmethod
+    def from_float(cls, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, dtype: str, group_size: int = 0,
+                   num_partitions: int = 1) -> PackedLayer:
+        """Quantizes stacked float weights gate/up [E, I, H], down [E, H, I] (tests and benchmarks)."""
+        num_experts, inter, hidden = gate.shape
+        spec = ExpertLayerSpec(num_experts, hidden, inter, dtype, group_size)
+        tensors: dict[str, list[torch.Tensor]] = {}
+        for role, stacked in (("gate", gate), ("up", up), ("down", down)):
+            for e in range(num_experts):
+                for part, t in quantize_matrix(stacked[e], spec).items():
+                    tensors.setdefault(f"{role}.{part}", []).append(t)
+        return cls.from_file_tensors({n: torch.stack(ts) for n, ts in tensors.items()}, spec, num_partitions)
+
+
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    if t.dtype == torch.bfloat16:
+        return t.contiguous().view(torch.uint16).numpy()
+    return t.contiguous().numpy()
+
+
+def _slice(arrays: dict[str, np.ndarray], spec: ExpertLayerSpec, start: int, end: int) -> PartitionWeights:
+    packed = 2 if spec.dtype == "int4" else 1  # columns per stored element along K
+
+    def scales(name, lo, hi):
+        return np.ascontiguousarray(arrays[name][..., lo:hi]) if name in arrays else None
+
+    group_i = spec.group(spec.intermediate_size)
+    down_groups = (start // group_i, -(-end // group_i)) if spec.group_size else (0, 1)
+    return PartitionWeights(
+        start, end,
+        gate=np.ascontiguousarray(arrays["gate.weight"][:, start:end]),
+        up=np.ascontiguousarray(arrays["up.weight"][:, start:end]),
+        down=np.ascontiguousarray(arrays["down.weight"][:, :, start // packed:-(-end // packed)]),
+        gate_scales=None if "gate.scales" not in arrays else np.ascontiguousarray(arrays["gate.scales"][:, start:end]),
+        up_scales=None if "up.scales" not in arrays else np.ascontiguousarray(arrays["up.scales"][:, start:end]),
+        down_scales=scales("down.scales", *down_groups),
+    )

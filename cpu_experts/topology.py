@@ -1,0 +1,150 @@
+"""NUMA topology and CPU partitions for the CPU experts (no torch or numba here).
+
+Contract:
+- `discover_nodes` reads `node*/cpulist` under a sysfs directory and returns the NUMA nodes restricted to the
+  CPUs this process may run on (`os.sched_getaffinity`); nodes left without CPUs are dropped. Without NUMA
+  information (containers, non-Linux) it returns a single node 0 holding every allowed CPU.
+- `make_partitions` turns nodes into the partitions the experts operator splits its work over: one per node by
+  default, or exactly `numa_partitions` of them on any machine (contiguous CPU groups; CPUs are shared
+  round-robin when there are more partitions than CPUs, so every partition has at least one CPU).
+- `split_dim` cuts [0, size) into `num_parts` ordered contiguous slices whose inner boundaries are multiples of
+  `align` (or equal `size`, for empty trailing slices), as equal as possible.
+- `pin_current_thread` pins the calling thread where the OS supports it and is a no-op elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+_NODE_DIR = re.compile(r"node(\d+)")
+
+
+@dataclass(frozen=True)
+class NumaNode:
+    id: int
+    cpus: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Partition:
+    index: int
+    node: int | None
+    cpus: tuple[int, ...]
+
+
+def parse_cpulist(text: str) -> tuple[int, ...]:
+    """Parse a kernel cpulist such as "0-3,8-11" (blank = no CPUs) into sorted unique CPU ids."""
+    cpus: set[int] = set()
+    for item in text.strip().split(","):
+        item = item.strip()
+        if not item:
+            continue
+        match = re.fullmatch(r"(\d+)(?:-(\d+))?", item)
+        if match is None:
+            raise ValueError(f"malformed cpulist {text.strip()!r}: cannot parse {item!r}")
+        first = int(match.group(1))
+        last = int(match.group(2)) if match.group(2) is not None else first
+        if last < first:
+            raise ValueError(f"malformed cpulist {text.strip()!r}: range {item!r} is reversed")
+        cpus.update(range(first, last + 1))
+    return tuple(sorted(cpus))
+
+
+def allowed_cpus() -> tuple[int, ...]:
+    """The CPUs this process may run on; every CPU where the OS has no affinity API."""
+    try:
+        return tuple(sorted(os.sched_getaffinity(0)))
+    except AttributeError:
+        return tuple(range(os.cpu_count() or 1))
+
+
+def discover_nodes(
+    sysfs: str | Path = "/sys/devices/system/node", allowed: Iterable[int] | None = None
+) -> list[NumaNode]:
+    """NUMA nodes (sorted by id) restricted to the allowed CPUs (default: this process's affinity)."""
+    allowed_set = set(allowed_cpus() if allowed is None else allowed)
+    if not allowed_set:
+        raise ValueError("no CPUs are allowed for this process")
+    root = Path(sysfs)
+    entries = []
+    if root.is_dir():
+        for child in root.iterdir():
+            match = _NODE_DIR.fullmatch(child.name)
+            if match and (child / "cpulist").is_file():
+                entries.append((int(match.group(1)), child / "cpulist"))
+    nodes = []
+    for node_id, path in sorted(entries):
+        try:
+            cpus = parse_cpulist(path.read_text())
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from exc
+        cpus = tuple(cpu for cpu in cpus if cpu in allowed_set)
+        if cpus:
+            nodes.append(NumaNode(node_id, cpus))
+    # No usable NUMA information (no sysfs, or the affinity lies outside every listed node): one flat node.
+    return nodes or [NumaNode(0, tuple(sorted(allowed_set)))]
+
+
+def make_partitions(nodes: list[NumaNode], num_partitions: int | None = None) -> list[Partition]:
+    """One partition per node (None or len(nodes)), else `num_partitions` contiguous groups of all nodes' CPUs."""
+    if not nodes:
+        raise ValueError("make_partitions needs at least one NUMA node")
+    if num_partitions is not None and (
+        isinstance(num_partitions, bool) or not isinstance(num_partitions, int) or num_partitions < 1
+    ):
+        raise ValueError(f"numa_partitions must be a positive integer or None, got {num_partitions!r}")
+    if num_partitions is None or num_partitions == len(nodes):
+        return [Partition(i, node.id, node.cpus) for i, node in enumerate(nodes)]
+    node_of = {}
+    order = []
+    for node in nodes:
+        for cpu in node.cpus:
+            node_of.setdefault(cpu, node.id)
+            order.append(cpu)
+    if num_partitions > len(order):
+        # Oversubscribed on purpose (e.g. testing N partitions on a small machine): share CPUs round-robin.
+        groups = [(order[i % len(order)],) for i in range(num_partitions)]
+    else:
+        groups = [tuple(order[start:end]) for start, end in split_dim(len(order), num_partitions)]
+    return [Partition(i, node_of[group[0]], group) for i, group in enumerate(groups)]
+
+
+def split_dim(size: int, num_parts: int, align: int = 1) -> list[tuple[int, int]]:
+    """Split [0, size) into `num_parts` ordered (start, end) slices with inner boundaries on multiples of `align`.
+
+    Whole `align` blocks are shared out as evenly as possible (earlier slices take the spare blocks) and the
+    last slice also takes the tail of `size % align`. With fewer blocks than parts, each leading slice gets one
+    block (the last of them possibly partial) and the trailing slices are empty at `size`.
+    """
+    if size < 0 or num_parts < 1 or align < 1:
+        raise ValueError(f"split_dim needs size >= 0, num_parts >= 1, align >= 1; got {size}, {num_parts}, {align}")
+    blocks = size // align
+    if blocks >= num_parts:
+        base, extra = divmod(blocks, num_parts)
+        counts = [base + (1 if i < extra else 0) for i in range(num_parts)]
+    else:
+        units = -(-size // align)  # a partial trailing block counts as a unit here
+        counts = [1 if i < units else 0 for i in range(num_parts)]
+    slices = []
+    start = 0
+    for i, count in enumerate(counts):
+        end = size if i == num_parts - 1 else min(start + count * align, size)
+        slices.append((start, end))
+        start = end
+    return slices
+
+
+def pin_current_thread(cpus: Iterable[int] | None) -> bool:
+    """Pin the calling thread to `cpus` (Linux: pid 0 is the calling thread); False where unsupported or empty."""
+    cpu_set = set(cpus or ())
+    if not cpu_set:
+        return False
+    try:
+        os.sched_setaffinity(0, cpu_set)
+    except (OSError, AttributeError):
+        return False
+    return True

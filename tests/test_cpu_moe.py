@@ -1,0 +1,111 @@
+"""The CPU MoE operator against the plain-PyTorch reference on the dequantized weights (`cpu_experts.reference`).
+
+Awkward cases: 1, 3, 17 and 300 tokens; top-k 1, 2 and 8; experts shared by many tokens, every token on one
+expert, -1 ids (experts computed elsewhere), a row of only -1; int8 (per channel and grouped), int4 and bf16; an
+intermediate size (I = 200) that neither the partition count nor the group size divides, and 1 or 3 forced
+partitions; both paths (numba decode kernels, PyTorch prefill), forced by the token threshold.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cpu_experts.expert_file import dequantize_matrix, quantize_matrix
+from cpu_experts.operator import CpuMoE, route
+from cpu_experts.packed import PARTITION_ALIGN, PackedLayer
+from cpu_experts.reference import moe_reference
+
+E, H, I = 8, 96, 200  # noqa: E741 (the shape letters of the project)
+DTYPES = [("int8", 0), ("int8", 64), ("int4", 32), ("int4", 128), ("bf16", 0)]
+REL_TOL = 1e-5  # float32 summation order only: both sides use the same dequantized weights
+
+
+@pytest.fixture(scope="module")
+def weights():
+    gen = torch.Generator().manual_seed(0)
+    return tuple(torch.randn(shape, generator=gen) * 0.1 for shape in ((E, I, H), (E, I, H), (E, H, I)))
+
+
+@pytest.fixture(scope="module")
+def layers(weights):
+    """(dtype, group, partitions) -> (PackedLayer, dequantized gate, up, down)."""
+    cache = {}
+
+    def get(dtype, group, partitions):
+        key = (dtype, group)
+        if key not in cache:
+            layer = PackedLayer.from_float(*weights, dtype, group, 1)
+            spec = layer.spec
+            deq = [torch.stack([dequantize_matrix(*_parts(quantize_matrix(w[e], spec)), role, spec)
+                                for e in range(E)]) for w, role in zip(weights, ("gate", "up", "down"), strict=True)]
+            cache[key] = deq
+        return PackedLayer.from_float(*weights, dtype, group, partitions), *cache[key]
+
+    return get
+
+
+def _parts(q):
+    return q["weight"], q.get("scales")
+
+
+def routing(num_tokens: int, top_k: int, case: str, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:top_k] for _ in range(num_tokens)])
+    if case == "one_expert":
+        ids[:, 0] = 5
+        ids[:, 1:] = -1
+    elif case == "with_minus_one":
+        ids[torch.rand(ids.shape, generator=gen) < 0.3] = -1
+        ids[0] = -1  # a token with nothing to compute here
+    weights = torch.rand(num_tokens, top_k, generator=gen)
+    return ids, weights
+
+
+@pytest.mark.parametrize("partitions", [1, 3])
+@pytest.mark.parametrize("dtype,group", DTYPES)
+@pytest.mark.parametrize("path", ["decode", "prefill"])
+def test_matches_reference(layers, dtype, group, partitions, path):
+    layer, gate, up, down = layers(dtype, group, partitions)
+    align = max(PARTITION_ALIGN, group)  # a partition owns whole scale groups: I = 200 in groups of 128 gives 2
+    assert len(layer.partitions) == min(partitions, -(-I // align))
+    assert [(p.start, p.end) for p in layer.partitions][-1][1] == I
+    op = CpuMoE(layer, prefill_min_tokens=1 if path == "prefill" else 10**9)
+    for seed, (num_tokens, top_k, case) in enumerate([(1, 1, "random"), (3, 2, "with_minus_one"), (17, 8, "random"),
+                                                      (300, 2, "one_expert"), (300, 8, "with_minus_one")]):
+        ids, w = routing(num_tokens, top_k, case, seed)
+        x = torch.randn(num_tokens, H, generator=torch.Generator().manual_seed(100 + seed))
+        want = moe_reference(x, gate, up, down, ids, w)
+        got = op(x, ids, w)
+        err, scale = float((got - want).abs().max()), float(want.abs().max())
+        assert err <= REL_TOL * max(scale, 1e-3), f"T={num_tokens} K={top_k} {case}: {err:.2e} vs {scale:.2e}"
+
+
+def test_bfloat16_activations(layers):
+    layer, gate, up, down = layers("int8", 0, 1)
+    ids, w = routing(5, 2, "random", 1)
+    x = torch.randn(5, H)
+    want = moe_reference(x, gate, up, down, ids, w)
+    for threshold in (1, 10**9):
+        got = CpuMoE(layer, prefill_min_tokens=threshold)(x.bfloat16(), ids, w)
+        assert got.dtype == torch.bfloat16
+        assert float((got.float() - want).abs().max()) <= 2e-2 * float(want.abs().max())
+
+
+def test_route_groups_pairs_by_expert():
+    ids = torch.tensor([[3, -1], [3, 1], [-1, -1]])
+    w = torch.tensor([[0.5, 0.1], [0.25, 0.75], [0.3, 0.3]])
+    r = route(ids.numpy(), w.numpy(), num_experts=4)
+    assert r.experts.tolist() == [1, 3] and r.offsets.tolist() == [0, 1, 3]
+    assert r.pair_token.tolist() == [1, 0, 1] and r.pair_weight.tolist() == [0.75, 0.5, 0.25]
+
+
+def test_bad_input_is_named(layers):
+    op = CpuMoE(layers("int8", 0, 1)[0])
+    x = torch.randn(2, H)
+    with pytest.raises(ValueError, match="outside"):
+        op(x, torch.tensor([[0, E], [1, 2]]), torch.ones(2, 2))
+    with pytest.raises(ValueError, match="hidden"):
+        op(torch.randn(2, H + 1), torch.zeros(2, 2, dtype=torch.int64), torch.ones(2, 2))
+    with pytest.raises(ValueError, match="topk_ids"):
+        op(x, torch.zeros(3, 2, dtype=torch.int64), torch.ones(3, 2))

@@ -1,0 +1,160 @@
+"""NUMA discovery from a fake sysfs tree, cpulist parsing, CPU partitions and split_dim."""
+
+import os
+
+import pytest
+
+from cpu_experts.topology import (
+    NumaNode,
+    Partition,
+    discover_nodes,
+    make_partitions,
+    parse_cpulist,
+    pin_current_thread,
+    split_dim,
+)
+
+linux_affinity = pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="needs os.sched_getaffinity")
+
+
+def _fake_sysfs(root, cpulists):
+    for name, text in cpulists.items():
+        (root / name).mkdir()
+        (root / name / "cpulist").write_text(text)
+    (root / "online").write_text("0-2\n")  # a sibling file that is not a node
+    return root
+
+
+def test_parse_cpulist_formats():
+    assert parse_cpulist("0-3,8-11\n") == (0, 1, 2, 3, 8, 9, 10, 11)
+    assert parse_cpulist("5") == (5,)
+    assert parse_cpulist("\n") == () and parse_cpulist("") == ()
+    assert parse_cpulist(" 7, 2-3 ,2") == (2, 3, 7)  # sorted, duplicates merged
+    assert parse_cpulist("0-0") == (0,)
+
+
+@pytest.mark.parametrize("text", ["0-", "a-b", "3-1", "0,,x", "1-2-3", "-1"])
+def test_parse_cpulist_rejects_malformed(text):
+    with pytest.raises(ValueError, match="malformed cpulist"):
+        parse_cpulist(text)
+
+
+def test_discover_nodes_reads_sysfs_and_drops_empty_nodes(tmp_path):
+    sysfs = _fake_sysfs(tmp_path, {"node0": "0-3\n", "node1": "4-7\n", "node2": "\n", "node10": "8\n"})
+    nodes = discover_nodes(sysfs, allowed=range(16))
+    assert nodes == [NumaNode(0, (0, 1, 2, 3)), NumaNode(1, (4, 5, 6, 7)), NumaNode(10, (8,))]
+
+
+def test_discover_nodes_keeps_only_allowed_cpus(tmp_path):
+    sysfs = _fake_sysfs(tmp_path, {"node0": "0-3", "node1": "4-7"})
+    assert discover_nodes(sysfs, allowed={1, 2}) == [NumaNode(0, (1, 2))]
+    assert discover_nodes(sysfs, allowed={3, 4}) == [NumaNode(0, (3,)), NumaNode(1, (4,))]
+
+
+@linux_affinity
+def test_discover_nodes_defaults_to_process_affinity(tmp_path):
+    sysfs = _fake_sysfs(tmp_path, {"node0": "0-4095"})
+    expected = tuple(sorted(os.sched_getaffinity(0)))
+    assert discover_nodes(sysfs) == [NumaNode(0, expected)]
+
+
+def test_discover_nodes_without_numa_info_is_one_node(tmp_path):
+    assert discover_nodes(tmp_path / "missing", allowed=[3, 1]) == [NumaNode(0, (1, 3))]
+    assert discover_nodes(tmp_path, allowed=[0, 1]) == [NumaNode(0, (0, 1))]  # exists but holds no nodes
+
+
+def test_discover_nodes_malformed_cpulist_names_the_file(tmp_path):
+    sysfs = _fake_sysfs(tmp_path, {"node0": "0-3", "node1": "4-x"})
+    with pytest.raises(ValueError, match=r"node1.cpulist: malformed cpulist '4-x'"):
+        discover_nodes(sysfs, allowed=range(8))
+
+
+NODES = [NumaNode(0, (0, 1, 2, 3)), NumaNode(1, (4, 5, 6, 7))]
+
+
+def test_make_partitions_per_node():
+    expected = [Partition(0, 0, (0, 1, 2, 3)), Partition(1, 1, (4, 5, 6, 7))]
+    assert make_partitions(NODES) == expected
+    assert make_partitions(NODES, 2) == expected
+
+
+def test_make_partitions_forced_counts():
+    assert make_partitions(NODES, 1) == [Partition(0, 0, tuple(range(8)))]
+    three = make_partitions(NODES, 3)
+    assert [p.cpus for p in three] == [(0, 1, 2), (3, 4, 5), (6, 7)]
+    assert [p.node for p in three] == [0, 0, 1]  # node of each group's first CPU
+    assert make_partitions([NumaNode(0, (0, 1, 2, 3))], 2) == [Partition(0, 0, (0, 1)), Partition(1, 0, (2, 3))]
+
+
+def test_make_partitions_more_partitions_than_cpus_share_round_robin():
+    parts = make_partitions([NumaNode(0, (0,)), NumaNode(1, (5, 6))], 5)
+    assert [p.cpus for p in parts] == [(0,), (5,), (6,), (0,), (5,)]
+    assert [p.node for p in parts] == [0, 1, 1, 0, 1]
+    assert [p.index for p in parts] == list(range(5))
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_make_partitions_rejects_invalid_count(bad):
+    with pytest.raises(ValueError, match="numa_partitions"):
+        make_partitions(NODES, bad)
+
+
+def test_make_partitions_needs_nodes():
+    with pytest.raises(ValueError, match="at least one NUMA node"):
+        make_partitions([])
+
+
+def _check_split(size, parts, align):
+    slices = split_dim(size, parts, align)
+    assert len(slices) == parts
+    assert slices[0][0] == 0 and slices[-1][1] == size
+    for (start, end), (next_start, _) in zip(slices, slices[1:], strict=False):
+        assert start <= end == next_start
+        assert end % align == 0 or end == size
+    assert slices[-1][0] <= slices[-1][1]
+    seen_empty = False
+    for start, end in slices:
+        if start == end:
+            seen_empty = True
+        else:
+            assert not seen_empty, f"non-empty slice after an empty one: {slices}"
+    return slices
+
+
+def test_split_dim_properties_over_many_shapes():
+    for size in list(range(0, 70)) + [127, 128, 129, 1000, 14336, 18432]:
+        for parts in range(1, 9):
+            for align in (1, 2, 3, 8, 16, 32, 64, 128):
+                slices = _check_split(size, parts, align)
+                lengths = [end - start for start, end in slices]
+                if size // align >= parts:
+                    # Balanced: slices differ by at most one block plus the tail the last slice takes.
+                    assert max(lengths) - min(lengths) <= align + size % align
+                    assert min(lengths) > 0
+
+
+def test_split_dim_examples():
+    assert split_dim(10, 4) == [(0, 3), (3, 6), (6, 8), (8, 10)]
+    assert split_dim(100, 3, 16) == [(0, 32), (32, 64), (64, 100)]
+    assert split_dim(10, 4, 8) == [(0, 8), (8, 10), (10, 10), (10, 10)]
+    assert split_dim(0, 3, 4) == [(0, 0), (0, 0), (0, 0)]
+    assert split_dim(7, 1, 4) == [(0, 7)]
+
+
+def test_split_dim_rejects_bad_arguments():
+    for args in ((-1, 2, 1), (4, 0, 1), (4, 2, 0)):
+        with pytest.raises(ValueError, match="split_dim"):
+            split_dim(*args)
+
+
+@linux_affinity
+def test_pin_current_thread_is_safe():
+    before = os.sched_getaffinity(0)
+    try:
+        assert pin_current_thread(sorted(before)[:1]) is True
+        assert os.sched_getaffinity(0) == set(sorted(before)[:1])
+    finally:
+        os.sched_setaffinity(0, before)
+    assert pin_current_thread(()) is False and pin_current_thread(None) is False
+    assert pin_current_thread([10**6]) is False  # a CPU that does not exist: ignored, not raised
+    assert os.sched_getaffinity(0) == before
