@@ -29,6 +29,7 @@ from checkpoints import (
     SEEDS,
     VARIANTS,
     build_model,
+    fp8_config,
     fp8_dequantize,
     fp8_quantize,
     hf_logits,
@@ -194,20 +195,6 @@ def kl_and_top1(refs: list[torch.Tensor], ours: list[torch.Tensor]) -> tuple[flo
 
 
 # --- FP8-block (DeepSeek-V3) source -----------------------------------------------------------------------------------
-
-def fp8_config() -> transformers.DeepseekV3Config:
-    # as tests/test_fp8_checkpoint.py: dimensions not multiples of 128, several blocks and partial edge blocks
-    return transformers.DeepseekV3Config(
-        vocab_size=256, hidden_size=160, intermediate_size=288, moe_intermediate_size=136, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=144, kv_lora_rank=136, qk_nope_head_dim=32,
-        qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=3,
-        n_group=4, topk_group=2, first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=2.5,
-        max_position_embeddings=256, tie_word_embeddings=False, num_nextn_predict_layers=1,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                         "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
-                         "mscale_all_dim": 1.0},
-        bos_token_id=0, eos_token_id=1, pad_token_id=2)
-
 
 def write_fp8_checkpoint(path: Path, stored: dict[str, torch.Tensor], config_dir: Path) -> None:
     path.mkdir(parents=True, exist_ok=True)

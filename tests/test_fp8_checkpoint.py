@@ -20,6 +20,7 @@ from checkpoints import (
     FP8_BLOCK,
     FP8_QUANTIZATION_CONFIG,
     build_model,
+    fp8_config,
     fp8_dequantize,
     fp8_quantize,
     hf_generate,
@@ -38,21 +39,6 @@ transformers.logging.set_verbosity_error()
 
 REL_TOL = 1e-4
 SEED = 17
-
-
-def fp8_config() -> transformers.DeepseekV3Config:
-    # hidden 160, intermediate 288, moe_intermediate 136, q_lora 144, kv_lora 136, q_b out 192, kv_b out 256:
-    # 2-3 blocks per dimension, most with a partial last block.
-    return transformers.DeepseekV3Config(
-        vocab_size=256, hidden_size=160, intermediate_size=288, moe_intermediate_size=136, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=144, kv_lora_rank=136, qk_nope_head_dim=32,
-        qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=3,
-        n_group=4, topk_group=2, first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=2.5,
-        max_position_embeddings=256, tie_word_embeddings=False, num_nextn_predict_layers=1,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                         "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
-                         "mscale_all_dim": 1.0},
-        bos_token_id=0, eos_token_id=1, pad_token_id=2)
 
 
 def block_factors(shape, gen) -> torch.Tensor:
