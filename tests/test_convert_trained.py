@@ -63,7 +63,12 @@ def train(variant: str, path, seed: int = 0) -> tuple[torch.nn.Module, torch.Ten
 @pytest.fixture(scope="module", params=["qwen3_moe", "deepseek_v3"])
 def trained(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(f"trained_{request.param}")
-    model, heldout = train(request.param, path)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread: the same trained model on every machine and in every test order
+    try:
+        model, heldout = train(request.param, path)
+    finally:
+        torch.set_num_threads(threads)
     with torch.no_grad():
         ref = [model(ids[None]).logits[0].float() for ids in heldout]
     return request.param, path, heldout, ref
