@@ -65,6 +65,7 @@ class _ExpertsBase:
         self.out_buffer = torch.zeros(max_tokens, hidden_size, dtype=dtype, pin_memory=pin)
         self._layer: int | None = None  # layer of the submit in flight; None when nothing is pending
         self._num_tokens = 0
+        self._error: BaseException | None = None  # the compute error sync() reports
 
     def _validate(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> int:
         """Check shapes, dtypes and devices; return T."""
@@ -145,18 +146,6 @@ class _ExpertsBase:
 class SyncExperts(_ExpertsBase):
     """Same API as `AsyncExperts`, but `compute` runs inside `submit`; its error is still reported by `sync`."""
 
-    def __init__(
-        self,
-        compute: Compute,
-        max_tokens: int,
-        hidden_size: int,
-        top_k: int,
-        dtype: torch.dtype = torch.float32,
-        pin_memory: bool | None = None,
-    ):
-        super().__init__(compute, max_tokens, hidden_size, top_k, dtype, pin_memory)
-        self._error: BaseException | None = None
-
     def submit(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
         """Stage the inputs and run compute now; a compute error is kept for sync()."""
         event = self._begin(layer, hidden, topk_ids, topk_weights)
@@ -195,7 +184,6 @@ class AsyncExperts(_ExpertsBase):
         self._job: tuple[int, int, object] | None = None  # (layer, T, CUDA event or None), guarded by _wake
         self._stop = False
         self._done = threading.Event()
-        self._error: BaseException | None = None
         self._closed = False
         self._thread = threading.Thread(target=self._worker, name=name, daemon=True)
         self._thread.start()

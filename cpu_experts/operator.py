@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from cpu_experts import formats
 from cpu_experts.kernels import KERNELS
 from cpu_experts.packed import PackedLayer, PartitionWeights
 
@@ -105,11 +106,8 @@ class CpuMoE:
         w = torch.from_numpy(weight)
         if self.spec.dtype == "bf16":
             return w.view(torch.bfloat16).to(dtype)
-        if self.spec.dtype == "int4":
-            low, high = (w & 0x0F).to(torch.int8) - 8, (w >> 4).to(torch.int8) - 8
-            w = torch.stack((low, high), dim=-1).flatten(1)[:, :cols]  # [N, K]: even columns in the low nibble
         s = torch.from_numpy(scales[expert])  # [N, G]
         group = self.spec.group_size or cols
-        if s.shape[1] > 1:
-            s = s.repeat_interleave(group, dim=1)[:, :cols]
-        return (w.float() * s).to(dtype)  # one rounding, of the product
+        if self.spec.dtype == "int4":
+            return formats.dequantize_int4(w, s, group, cols).to(dtype)  # one rounding, of the float32 product
+        return formats.dequantize_int8(w, s, group).to(dtype)

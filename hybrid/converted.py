@@ -2,8 +2,9 @@
 
 The GPU weights of a converted directory are an ordinary (possibly compressed-tensors) checkpoint that
 `hybrid.checkpoint` reads; the experts live in `experts/layer-NNN.safetensors` (layout in
-`cpu_experts.expert_file`). Until the CPU-experts operator consumes the packed data directly, the experts are
-dequantized here, expert by expert, into the model's stacked expert parameters.
+`cpu_experts.expert_file`). The runtime hands each layer's packed tensors to its `CpuExperts` module
+(`load_cpu_experts`); `ConvertedExperts.read` dequantizes one expert at a time, for models with stacked expert
+parameters (the reference backend, `hybrid-convert verify`).
 """
 
 from __future__ import annotations
@@ -46,7 +47,6 @@ class ConvertedExperts:
 
     def __init__(self, directory: Path, manifest: dict, model):
         self.directory = Path(directory)
-        self.model = model
         self.layers: dict[int, tuple[SafetensorsFile, ExpertLayerSpec]] = {}
         try:
             layer_files = {int(k): v for k, v in manifest["experts"]["files"].items()}
