@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
+from cpu_experts import memory
 from cpu_experts.expert_file import ExpertLayerSpec
 from cpu_experts.operator import DEFAULT_PREFILL_MIN_TOKENS, CpuMoE
 from cpu_experts.packed import PackedLayer, PartitionWeights
@@ -76,7 +77,11 @@ def random_layer(shape: str, dtype: str, seed: int) -> PackedLayer:
         if tdtype == torch.float32:
             arrays[name] = (rng.random(dims, dtype=np.float32) * 1e-3)
         else:
-            arrays[name] = np.resize(block, dims).view(torch.empty((), dtype=tdtype).numpy().dtype)
+            array = memory.empty_tensor(dims, tdtype).numpy()
+            flat = array.reshape(-1).view(np.uint8)
+            for start in range(0, flat.size, block.size):
+                flat[start:start + block.size] = block[:flat.size - start]
+            arrays[name] = array
     part = PartitionWeights(0, inter, arrays["gate.weight"], arrays["up.weight"], arrays["down.weight"],
                             arrays.get("gate.scales"), arrays.get("up.scales"), arrays.get("down.scales"))
     return PackedLayer(spec, [part])

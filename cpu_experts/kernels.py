@@ -10,7 +10,9 @@ cache), and each weight row is dequantized in registers, never written back.
    output element).
 
 Quantization: symmetric, one float32 scale per group of `group` input columns (group = K: per channel); int4 as
-`nibble - 8`, even column in the low nibble. Compiled for the host CPU on first use (cached on disk), so the
+`nibble - 8`, even column in the low nibble. The int4 kernels take their activations split (`split_int4`) into
+even and odd columns plus per-group sums, so the unpacked nibbles meet contiguous activations and the `- 8` costs
+one multiply per group. Compiled for the host CPU on first use (cached on disk), so the
 vector width (AVX2, AVX-512) is whatever the machine has: nothing here can raise an illegal instruction.
 """
 
@@ -40,12 +42,15 @@ def _dot8(row, x):
 
 
 @njit(fastmath=True, cache=True)
-def _dot4(row, x):
-    """row: uint8 [n // 2] packed pairs, x: float32 [n] with n even."""
+def _dot4(row, x_even, x_odd):
+    """row: uint8 [n] packed pairs; x_even / x_odd: float32 [n], the activation's even and odd columns. Unsigned
+    nibbles: the caller subtracts 8 * sum(x) once per group instead of 8 per element. The nibbles are split in
+    float (byte = 16 hi + lo, exact): numba widens integer `&` and `>>` to int64, which vectorizes at half width."""
     acc = np.float32(0.0)
-    for b in range(x.shape[0] // 2):
-        byte = np.int32(row[b])
-        acc += np.float32((byte & 15) - 8) * x[2 * b] + np.float32((byte >> 4) - 8) * x[2 * b + 1]
+    for b in range(row.shape[0]):
+        byte = np.float32(row[b])
+        hi = np.floor(byte * np.float32(0.0625))
+        acc += (byte - np.float32(16.0) * hi) * x_even[b] + hi * x_odd[b]
     return acc
 
 
@@ -62,19 +67,47 @@ def _dot_int8(row, scales, x, group):
 
 
 @njit(fastmath=True, cache=True)
-def _dot_int4(row, scales, x, group):
-    # row: uint8 [ceil(K / 2)]; group is even, so a group covers whole bytes; an odd K leaves one last column
-    cols = x.shape[0]
+def _dot_int4(row, scales, x_even, x_odd, x_sum, group):
+    # group is even, so a group covers whole bytes; an odd K's last byte pairs its column with x_odd = 0
+    half = group // 2
     acc = np.float32(0.0)
     for g in range(scales.shape[0]):
-        lo = g * group
-        hi = min(lo + group, cols)
-        even = lo + (hi - lo) // 2 * 2
-        part = _dot4(row[lo // 2:even // 2], x[lo:even])
-        if even < hi:
-            part += np.float32((np.int32(row[even // 2]) & 15) - 8) * x[even]
-        acc += part * scales[g]
+        lo = g * half
+        hi = min(lo + half, row.shape[0])
+        acc += (_dot4(row[lo:hi], x_even[lo:hi], x_odd[lo:hi]) - np.float32(8.0) * x_sum[g]) * scales[g]
     return acc
+
+
+@njit(**FLAGS)
+def split_int4(x, group, x_even, x_odd, x_sum):
+    """Activations x float32 [T, K] -> the int4 kernels' form: x_even / x_odd [T, ceil(K / 2)] (columns 2b and
+    2b + 1; x_odd zero past an odd K) and x_sum [T, G], each group's sum."""
+    cols = x.shape[1]
+    for t in prange(x.shape[0]):
+        for b in range(x_even.shape[1]):
+            x_even[t, b] = x[t, 2 * b]
+            x_odd[t, b] = x[t, 2 * b + 1] if 2 * b + 1 < cols else np.float32(0.0)
+        for g in range(x_sum.shape[1]):
+            total = np.float32(0.0)
+            for j in range(g * group, min((g + 1) * group, cols)):
+                total += x[t, j]
+            x_sum[t, g] = total
+
+
+@njit(**FLAGS)
+def round_rows_int8(x):
+    """In place: each row of x float32 [T, K] rounded to its int8 grid, absmax / 127 (the W8A8 activations, kept
+    in float: the same values the prefill path multiplies as int8)."""
+    for t in prange(x.shape[0]):
+        amax = np.float32(0.0)
+        for j in range(x.shape[1]):
+            amax = max(amax, abs(x[t, j]))
+        if amax == 0:
+            continue
+        scale = amax / np.float32(127.0)
+        inv = np.float32(127.0) / amax
+        for j in range(x.shape[1]):
+            x[t, j] = np.rint(x[t, j] * inv) * scale
 
 
 @njit(**FLAGS)
@@ -91,15 +124,15 @@ def gate_up_int8(x, experts, offsets, pair_token, gate, gate_s, up, up_s, group,
 
 
 @njit(**FLAGS)
-def gate_up_int4(x, experts, offsets, pair_token, gate, gate_s, up, up_s, group, act):
+def gate_up_int4(x_even, x_odd, x_sum, experts, offsets, pair_token, gate, gate_s, up, up_s, group, act):
     rows = gate.shape[1]
     for r in prange(experts.shape[0] * rows):
         u, i = r // rows, r % rows
         e = experts[u]
         for p in range(offsets[u], offsets[u + 1]):
-            xt = x[pair_token[p]]
-            g = _dot_int4(gate[e, i], gate_s[e, i], xt, group)
-            v = _dot_int4(up[e, i], up_s[e, i], xt, group)
+            t = pair_token[p]
+            g = _dot_int4(gate[e, i], gate_s[e, i], x_even[t], x_odd[t], x_sum[t], group)
+            v = _dot_int4(up[e, i], up_s[e, i], x_even[t], x_odd[t], x_sum[t], group)
             act[p, i] = _silu(g) * v
 
 
@@ -113,12 +146,12 @@ def down_int8(act, experts, offsets, pair_token, pair_weight, down, down_s, grou
 
 
 @njit(**FLAGS)
-def down_int4(act, experts, offsets, pair_token, pair_weight, down, down_s, group, out):
+def down_int4(act_even, act_odd, act_sum, experts, offsets, pair_token, pair_weight, down, down_s, group, out):
     for h in prange(down.shape[1]):
         for u in range(experts.shape[0]):
             e = experts[u]
             for p in range(offsets[u], offsets[u + 1]):
-                out[pair_token[p], h] += pair_weight[p] * _dot_int4(down[e, h], down_s[e, h], act[p], group)
+                dot = _dot_int4(down[e, h], down_s[e, h], act_even[p], act_odd[p], act_sum[p], group)
+                out[pair_token[p], h] += pair_weight[p] * dot
 
 
-KERNELS = {"int8": (gate_up_int8, down_int8), "int4": (gate_up_int4, down_int4)}

@@ -14,14 +14,16 @@ from cpu_experts.packed import PackedLayer
 
 
 class CpuExperts(nn.Module):
-    def __init__(self, layer_idx: int, prefill_min_tokens: int = DEFAULT_PREFILL_MIN_TOKENS):
+    def __init__(self, layer_idx: int, prefill_min_tokens: int = DEFAULT_PREFILL_MIN_TOKENS,
+                 int8_activations: bool = True):
         super().__init__()
         self.layer_idx = layer_idx
         self.prefill_min_tokens = prefill_min_tokens
+        self.int8_activations = int8_activations
         self.op: CpuMoE | None = None
 
     def load(self, packed: PackedLayer) -> None:
-        self.op = CpuMoE(packed, self.prefill_min_tokens)
+        self.op = CpuMoE(packed, self.prefill_min_tokens, self.int8_activations)
 
     def checkpoint_targets(self):
         return iter(())  # nothing is copied in: `load` receives the packed weights

@@ -7,9 +7,9 @@ Per call, the (token, slot) pairs are grouped by expert (`route`), then each par
 output and the partials are summed. Two paths, chosen per call by token count:
 - decode (few tokens): the numba kernels stream each routed expert's quantized rows once, dequantizing in
   registers (`cpu_experts.kernels`);
-- prefill (many tokens, `prefill_min_tokens` or more, and bf16 experts at any count): per expert, its weights are
-  dequantized to the activations' dtype and multiplied with PyTorch's matmul, i.e. oneDNN, which uses AMX-BF16
-  or AVX-512 where the CPU has them.
+- prefill (many tokens, `prefill_min_tokens` or more, and bf16 experts at any count): matmuls grouped by expert
+  (`cpu_experts.prefill`): int8 x int8 for per-channel int8 experts, otherwise each routed expert dequantized
+  once per call; both through PyTorch's oneDNN, which uses AMX or AVX-512 VNNI where the CPU has them.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
+from numba import njit
 
-from cpu_experts import formats
-from cpu_experts.kernels import KERNELS
-from cpu_experts.packed import PackedLayer, PartitionWeights
+from cpu_experts import kernels
+from cpu_experts.packed import PackedLayer
+from cpu_experts.prefill import DequantPrefill, Int8Prefill, Workspace
 
 DEFAULT_PREFILL_MIN_TOKENS = 64
 
@@ -34,44 +34,92 @@ class Routing:
     offsets: np.ndarray  # [U + 1] int64
     pair_token: np.ndarray  # [P] int64
     pair_weight: np.ndarray  # [P] float32
+    pair_index: np.ndarray  # [T * K] int64: each (token, slot)'s pair, -1 for an id of -1
 
 
 def route(topk_ids: np.ndarray, topk_weights: np.ndarray, num_experts: int) -> Routing:
-    flat = topk_ids.reshape(-1)
-    if flat.size and (flat.max() >= num_experts or flat.min() < -1):
-        bad = flat[(flat >= num_experts) | (flat < -1)][0]
-        raise ValueError(f"topk_ids holds expert {bad}, outside [-1, {num_experts})")
-    pairs = np.flatnonzero(flat >= 0)
-    pairs = pairs[np.argsort(flat[pairs], kind="stable")]
-    experts, counts = np.unique(flat[pairs], return_counts=True)
+    flat = np.ascontiguousarray(topk_ids.reshape(-1), dtype=np.int64)
+    weights = np.ascontiguousarray(topk_weights.reshape(-1), dtype=np.float32)
+    bad = _first_invalid(flat, num_experts)
+    if bad >= 0:
+        raise ValueError(f"topk_ids holds expert {flat[bad]}, outside [-1, {num_experts})")
+    counts = np.zeros(num_experts, dtype=np.int64)
+    num_pairs = _count(flat, counts)
+    experts = np.flatnonzero(counts)
     offsets = np.zeros(len(experts) + 1, dtype=np.int64)
-    np.cumsum(counts, out=offsets[1:])
-    k = topk_ids.shape[1]
-    return Routing(experts.astype(np.int64), offsets, (pairs // k).astype(np.int64),
-                   topk_weights.reshape(-1)[pairs].astype(np.float32))
+    np.cumsum(counts[experts], out=offsets[1:])
+    pair_token = np.empty(num_pairs, dtype=np.int64)
+    pair_weight = np.empty(num_pairs, dtype=np.float32)
+    pair_index = np.empty(flat.size, dtype=np.int64)
+    _scatter(flat, weights, topk_ids.shape[1], experts, offsets, counts, pair_token, pair_weight, pair_index)
+    return Routing(experts, offsets, pair_token, pair_weight, pair_index)
+
+
+# Routing is a counting sort in numba: per-call work that numpy's unique/argsort did in tens of microseconds, which
+# is a noticeable share of a small-expert decode call.
+
+@njit(cache=True)
+def _first_invalid(flat, num_experts):
+    for j in range(flat.size):
+        if flat[j] < -1 or flat[j] >= num_experts:
+            return j
+    return -1
+
+
+@njit(cache=True)
+def _count(flat, counts):
+    total = 0
+    for j in range(flat.size):
+        if flat[j] >= 0:
+            counts[flat[j]] += 1
+            total += 1
+    return total
+
+
+@njit(cache=True)
+def _scatter(flat, weights, top_k, experts, offsets, counts, pair_token, pair_weight, pair_index):
+    """Stable by (expert, token): `counts` becomes each expert's next free slot."""
+    for u in range(experts.size):
+        counts[experts[u]] = offsets[u]
+    for j in range(flat.size):
+        e = flat[j]
+        if e < 0:
+            pair_index[j] = -1
+            continue
+        p = counts[e]
+        counts[e] = p + 1
+        pair_token[p] = j // top_k
+        pair_weight[p] = weights[j]
+        pair_index[j] = p
 
 
 class CpuMoE:
-    def __init__(self, layer: PackedLayer, prefill_min_tokens: int = DEFAULT_PREFILL_MIN_TOKENS):
+    """`int8_activations` (int8 and int4 experts): every matmul input row is rounded to int8 with its own absmax
+    scale (W8A8), on both paths, so a token gets the same result whether it is decoded or prefilled; per-channel
+    int8 experts then prefill as int8 x int8 (`cpu_experts.prefill`). False keeps activations in float, exact to
+    the converted weights, prefill slower. `workspace`: scratch buffers, shareable by all layers of a model."""
+
+    def __init__(self, layer: PackedLayer, prefill_min_tokens: int = DEFAULT_PREFILL_MIN_TOKENS,
+                 int8_activations: bool = True, workspace: Workspace | None = None):
         self.layer = layer
         self.spec = layer.spec
         self.prefill_min_tokens = prefill_min_tokens
+        self.is_w8a8 = self.spec.dtype != "bf16" and int8_activations
+        workspace = workspace or Workspace()
+        is_int8_channel = self.spec.dtype == "int8" and self.spec.group_size == 0
+        self.int8_prefill = Int8Prefill(layer, workspace) if self.is_w8a8 and is_int8_channel else None
+        self.dequant_prefill = DequantPrefill(layer, workspace, round_activations=self.is_w8a8)
 
     def __call__(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         self._check(hidden, topk_ids, topk_weights)
         routing = route(topk_ids.cpu().numpy(), topk_weights.detach().float().cpu().numpy(), self.spec.num_experts)
-        if self.spec.dtype == "bf16" or hidden.shape[0] >= self.prefill_min_tokens:
-            return self._prefill(hidden, routing)
-        x = hidden.detach().float().contiguous().numpy()
-        out = np.zeros_like(x)
-        gate_up, down = KERNELS[self.spec.dtype]
-        for part in self.layer.partitions:
-            act = np.empty((len(routing.pair_token), part.size), dtype=np.float32)
-            gate_up(x, routing.experts, routing.offsets, routing.pair_token, part.gate, part.gate_scales, part.up,
-                    part.up_scales, self.spec.group(self.spec.hidden_size), act)
-            down(act, routing.experts, routing.offsets, routing.pair_token, routing.pair_weight, part.down,
-                 part.down_scales, self.spec.group_size or part.size, out)
-        return torch.from_numpy(out).to(hidden.dtype)
+        top_k = topk_ids.shape[1]
+        if self.spec.dtype != "bf16" and hidden.shape[0] < self.prefill_min_tokens:
+            return torch.from_numpy(self._decode(_float32(hidden), routing)).to(hidden.dtype)
+        if self.int8_prefill is not None:
+            return torch.from_numpy(self.int8_prefill(_float32(hidden), routing, top_k)).to(hidden.dtype)
+        dtype = hidden.dtype if hidden.dtype in (torch.bfloat16, torch.float32) else torch.float32
+        return self.dequant_prefill(hidden.detach().to(dtype), routing, top_k).to(hidden.dtype)
 
     def _check(self, hidden, topk_ids, topk_weights) -> None:
         if hidden.dim() != 2 or hidden.shape[1] != self.spec.hidden_size:
@@ -82,32 +130,45 @@ class CpuMoE:
         if topk_ids.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
 
-    def _prefill(self, hidden: torch.Tensor, routing: Routing) -> torch.Tensor:
-        dtype = hidden.dtype if hidden.dtype in (torch.bfloat16, torch.float32) else torch.float32
-        x = hidden.detach().to(dtype)
-        out = torch.zeros(hidden.shape, dtype=torch.float32)
-        tokens = torch.from_numpy(routing.pair_token)
-        weights = torch.from_numpy(routing.pair_weight)
-        for u, expert in enumerate(routing.experts.tolist()):
-            lo, hi = int(routing.offsets[u]), int(routing.offsets[u + 1])
-            xs = x[tokens[lo:hi]]  # [n, H]
-            partial = sum(self._expert(part, expert, xs, dtype) for part in self.layer.partitions)
-            out.index_add_(0, tokens[lo:hi], partial.float() * weights[lo:hi, None])
-        return out.to(hidden.dtype)
-
-    def _expert(self, part: PartitionWeights, expert: int, xs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        gate = self._dequantize(part.gate[expert], part.gate_scales, expert, dtype, self.spec.hidden_size)
-        up = self._dequantize(part.up[expert], part.up_scales, expert, dtype, self.spec.hidden_size)
-        down = self._dequantize(part.down[expert], part.down_scales, expert, dtype, part.size)
-        return F.silu(xs @ gate.t()) * (xs @ up.t()) @ down.t()
-
-    def _dequantize(self, weight: np.ndarray, scales, expert: int, dtype: torch.dtype, cols: int) -> torch.Tensor:
-        """One partition's slice of one expert projection -> [N, cols] in `dtype`."""
-        w = torch.from_numpy(weight)
-        if self.spec.dtype == "bf16":
-            return w.view(torch.bfloat16).to(dtype)
-        s = torch.from_numpy(scales[expert])  # [N, G]
-        group = self.spec.group_size or cols
+    def _decode(self, x: np.ndarray, routing: Routing) -> np.ndarray:
+        """The numba streaming kernels, partition by partition; x float32 [T, H] -> [T, H]."""
+        out = np.zeros_like(x)
+        r = routing
+        num_pairs = len(r.pair_token)
+        group_h = self.spec.group(self.spec.hidden_size)
+        if self.is_w8a8:
+            x = x.copy()
+            kernels.round_rows_int8(x)
         if self.spec.dtype == "int4":
-            return formats.dequantize_int4(w, s, group, cols).to(dtype)  # one rounding, of the float32 product
-        return formats.dequantize_int8(w, s, group).to(dtype)
+            x_parts = _split_int4(x, group_h)  # after rounding: the int4 kernels see the rounded rows
+        for part in self.layer.partitions:
+            group_i = self.spec.group_size or part.size
+            act = np.empty((num_pairs, part.size), dtype=np.float32)
+            if self.spec.dtype == "int8":
+                kernels.gate_up_int8(x, r.experts, r.offsets, r.pair_token, part.gate, part.gate_scales, part.up,
+                                     part.up_scales, group_h, act)
+                if self.is_w8a8:
+                    kernels.round_rows_int8(act)
+                kernels.down_int8(act, r.experts, r.offsets, r.pair_token, r.pair_weight, part.down,
+                                  part.down_scales, group_i, out)
+                continue
+            kernels.gate_up_int4(*x_parts, r.experts, r.offsets, r.pair_token, part.gate, part.gate_scales, part.up,
+                                 part.up_scales, group_h, act)
+            if self.is_w8a8:
+                kernels.round_rows_int8(act)
+            kernels.down_int4(*_split_int4(act, group_i), r.experts, r.offsets, r.pair_token, r.pair_weight,
+                              part.down, part.down_scales, group_i, out)
+        return out
+
+
+def _float32(hidden: torch.Tensor) -> np.ndarray:
+    return hidden.detach().float().contiguous().numpy()
+
+
+def _split_int4(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    half = -(-x.shape[1] // 2)
+    x_even = np.empty((x.shape[0], half), dtype=np.float32)
+    x_odd = np.empty((x.shape[0], half), dtype=np.float32)
+    x_sum = np.empty((x.shape[0], -(-x.shape[1] // group)), dtype=np.float32)
+    kernels.split_int4(x, group, x_even, x_odd, x_sum)
+    return x_even, x_odd, x_sum

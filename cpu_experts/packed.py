@@ -4,7 +4,8 @@ projections and the same columns of its down projection, so it computes a partia
 
 Partition boundaries are multiples of the scale group along I (down's input), so each partition owns whole
 groups; with one scale per output row (per channel) every partition shares the row's scale. Arrays are numpy, C
-contiguous, in the file's dtypes (int8; packed int4 as uint8 with two columns per byte; bf16 as uint16 bits).
+contiguous, in huge-page memory (`cpu_experts.memory`), in the file's dtypes (int8; packed int4 as uint8 with
+two columns per byte; bf16 as uint16 bits).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from cpu_experts import memory
 from cpu_experts.expert_file import ExpertLayerSpec, quantize_matrix
 from cpu_experts.topology import split_dim
 
@@ -87,17 +89,22 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
 def _slice(arrays: dict[str, np.ndarray], spec: ExpertLayerSpec, start: int, end: int) -> PartitionWeights:
     packed = 2 if spec.dtype == "int4" else 1  # columns per stored element along K
 
-    def scales(name, lo, hi):
-        return np.ascontiguousarray(arrays[name][..., lo:hi]) if name in arrays else None
+    def part(name, index):
+        if name not in arrays:
+            return None
+        sliced = arrays[name][index]
+        # one partition keeps the caller's arrays (the loader reads them into huge-page memory)
+        return sliced if sliced.flags.c_contiguous and sliced.size == arrays[name].size else memory.copy(sliced)
 
+    rows = (slice(None), slice(start, end))
     group_i = spec.group(spec.intermediate_size)
-    down_groups = (start // group_i, -(-end // group_i)) if spec.group_size else (0, 1)
+    down_groups = slice(start // group_i, -(-end // group_i)) if spec.group_size else slice(0, 1)
     return PartitionWeights(
         start, end,
-        gate=np.ascontiguousarray(arrays["gate.weight"][:, start:end]),
-        up=np.ascontiguousarray(arrays["up.weight"][:, start:end]),
-        down=np.ascontiguousarray(arrays["down.weight"][:, :, start // packed:-(-end // packed)]),
-        gate_scales=None if "gate.scales" not in arrays else np.ascontiguousarray(arrays["gate.scales"][:, start:end]),
-        up_scales=None if "up.scales" not in arrays else np.ascontiguousarray(arrays["up.scales"][:, start:end]),
-        down_scales=scales("down.scales", *down_groups),
+        gate=part("gate.weight", rows),
+        up=part("up.weight", rows),
+        down=part("down.weight", (slice(None), slice(None), slice(start // packed, -(-end // packed)))),
+        gate_scales=part("gate.scales", rows),
+        up_scales=part("up.scales", rows),
+        down_scales=part("down.scales", (slice(None), slice(None), down_groups)),
     )

@@ -13,12 +13,21 @@ def moe_reference(
     w_down: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
+    int8_activations: bool = False,
+    partitions: list[tuple[int, int]] | None = None,
 ) -> torch.Tensor:
     """hidden [T, H]; w_gate, w_up [E, I, H]; w_down [E, H, I]; topk_ids [T, K] (-1 = skip); weights [T, K].
 
     Experts are visited in id order and accumulated with index_add, the order the reference checkpoints'
-    own implementation uses, so float32 results match it closely.
+    own implementation uses, so float32 results match it closely. `int8_activations`: each matmul's input rows
+    are rounded to int8 with a per-row absmax scale first, as the W8A8 prefill path does; with `partitions`
+    (slices [start, end) of I), the down projection's input has one scale per row per slice.
     """
+    def fake_quant(t: torch.Tensor, slices=((0, None),)) -> torch.Tensor:
+        if not int8_activations:
+            return t
+        return torch.cat([_fake_quant_rows(t[:, lo:hi]) for lo, hi in slices], dim=1)
+
     out = torch.zeros_like(hidden)
     num_experts = w_gate.shape[0]
     hit = torch.unique(topk_ids[topk_ids >= 0]).tolist()
@@ -26,8 +35,14 @@ def moe_reference(
         if expert >= num_experts:
             raise IndexError(f"expert id {expert} out of range for {num_experts} experts")
         token_idx, k_idx = torch.where(topk_ids == expert)
-        x = hidden[token_idx]
+        x = fake_quant(hidden[token_idx])
         h = F.silu(F.linear(x, w_gate[expert])) * F.linear(x, w_up[expert])
+        h = fake_quant(h, partitions or ((0, None),))
         y = F.linear(h, w_down[expert]) * topk_weights[token_idx, k_idx, None]
         out.index_add_(0, token_idx, y.to(out.dtype))
     return out
+
+
+def _fake_quant_rows(x: torch.Tensor) -> torch.Tensor:
+    scale = x.abs().amax(dim=-1, keepdim=True) / 127
+    return torch.round(x / torch.where(scale > 0, scale, torch.ones_like(scale))) * scale

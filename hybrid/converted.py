@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from cpu_experts import memory
 from cpu_experts.expert_file import ROLES, ExpertLayerSpec, dequantize_matrix
 from cpu_experts.module import CpuExperts
 from cpu_experts.packed import PackedLayer
@@ -97,9 +98,9 @@ class ConvertedExperts:
         return weight if spec.dtype == "bf16" else dequantize_matrix(weight, scales, role, spec)
 
 
-def cpu_experts_factory(layer_idx: int, config) -> CpuExperts:
+def cpu_experts_factory(layer_idx: int, config, int8_activations: bool = True) -> CpuExperts:
     """Experts factory for converted models: the CPU operator, its weights loaded by `load_cpu_experts`."""
-    return CpuExperts(layer_idx)
+    return CpuExperts(layer_idx, int8_activations=int8_activations)
 
 
 def load_cpu_experts(model, experts: ConvertedExperts, num_partitions: int) -> None:
@@ -110,5 +111,6 @@ def load_cpu_experts(model, experts: ConvertedExperts, num_partitions: int) -> N
                 raise CheckpointError(f"{experts.directory / MANIFEST_FILE}: no expert file for MoE layer "
                                       f"{module.layer_idx}")
             file, spec = experts.layers[module.layer_idx]
-            tensors = {name: file.read(name) for name in spec.tensor_shapes()}
+            tensors = {name: file.read_into(name, memory.empty_tensor(shape, dtype))
+                       for name, (shape, dtype) in spec.tensor_shapes().items()}
             module.load(PackedLayer.from_file_tensors(tensors, spec, num_partitions))

@@ -8,6 +8,7 @@ import torch
 
 from hybrid.errors import ConfigError
 
+EXPERT_ACTIVATIONS = ("int8", "float")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -18,6 +19,9 @@ class EngineConfig:
     max_model_len: int | None = None  # prompt + generated tokens per sequence; None: min(model limit, 4096)
     block_size: int = 16  # tokens per KV-cache page
     numa_partitions: int | None = None  # CPU experts: partitions of I; None: one per NUMA node
+    # int8 CPU experts: "int8" rounds each activation row to int8 (W8A8: VNNI/AMX-INT8 prefill, what llama.cpp and
+    # KTransformers do); "float" keeps activations in float, exact to the converted weights, prefill slower
+    expert_activations: str = "int8"
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -26,6 +30,9 @@ class EngineConfig:
             raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
         if self.numa_partitions is not None and self.numa_partitions < 1:
             raise ConfigError(f"numa_partitions must be >= 1, got {self.numa_partitions}")
+        if self.expert_activations not in EXPERT_ACTIVATIONS:
+            raise ConfigError(f"expert_activations '{self.expert_activations}' is not one of "
+                              f"{', '.join(EXPERT_ACTIVATIONS)}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
         try:

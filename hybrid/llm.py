@@ -4,6 +4,7 @@ cache, one token per decode step. The engine issue builds continuous batching on
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -41,14 +42,18 @@ def build_model(cls: type[MoECausalLM], config, engine: EngineConfig, backends: 
 
 class LLM:
     def __init__(self, path: str | Path, device: str = "cpu", dtype: str = "bfloat16",
-                 max_model_len: int | None = None, block_size: int = 16, numa_partitions: int | None = None):
+                 max_model_len: int | None = None, block_size: int = 16, numa_partitions: int | None = None,
+                 expert_activations: str = "int8"):
         self.engine_config = EngineConfig(device=device, dtype=dtype, max_model_len=max_model_len,
-                                          block_size=block_size, numa_partitions=numa_partitions)
+                                          block_size=block_size, numa_partitions=numa_partitions,
+                                          expert_activations=expert_activations)
         cls, self.config = load_model_config(path)
         # Placement, decided once: a converted directory's routed experts run on the CPU operator; a plain
         # checkpoint's run through the PyTorch reference on the engine's device.
         is_converted = read_manifest(Path(path)) is not None
-        backends = Backends(make_experts=cpu_experts_factory) if is_converted else None
+        int8_activations = expert_activations == "int8"
+        backends = Backends(make_experts=partial(cpu_experts_factory, int8_activations=int8_activations)
+                            ) if is_converted else None
         self.model = build_model(cls, self.config, self.engine_config, backends)
         partitions = numa_partitions or len(discover_nodes())
         load_weights(self.model, path, partitions)

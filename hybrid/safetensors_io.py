@@ -109,9 +109,26 @@ class SafetensorsFile:
         row_bytes = info.nbytes // info.shape[0]
         return _pread(self.path, info.begin + row * row_bytes, row_bytes, info.dtype, info.shape[1:])
 
+    def read_into(self, name: str, out: torch.Tensor) -> torch.Tensor:
+        """Reads tensor `name` into `out` (any contiguous CPU tensor of its size in bytes), e.g. memory the caller
+        placed or advised; returns `out` viewed with the tensor's dtype and shape."""
+        info = self.tensors[name]
+        if not out.is_contiguous() or out.numel() * out.element_size() != info.nbytes:
+            raise ValueError(f"{self.path}: buffer for '{name}' must be contiguous with {info.nbytes} bytes")
+        raw = out.view(torch.uint8).reshape(-1)
+        _pread_into(self.path, info.begin, raw)
+        return raw.view(info.dtype).reshape(info.shape)
+
 
 def _pread(path: Path, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     out = torch.empty(nbytes, dtype=torch.uint8)
+    _pread_into(path, offset, out)
+    return out.view(dtype).reshape(shape)
+
+
+def _pread_into(path: Path, offset: int, out: torch.Tensor) -> None:
+    """Fills the uint8 tensor `out` from `path` at `offset`."""
+    nbytes = out.numel()
     view = memoryview(out.numpy())
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -128,7 +145,6 @@ def _pread(path: Path, offset: int, nbytes: int, dtype: torch.dtype, shape: tupl
         raise CheckpointError(f"{path}: read error ({exc.strerror or exc})") from None
     finally:
         os.close(fd)
-    return out.view(dtype).reshape(shape)
 
 
 @dataclass(frozen=True)

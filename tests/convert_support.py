@@ -140,7 +140,8 @@ def metrics(source, converted, tmp_path_factory):
         if (variant, case) not in cache:
             src = source(variant)
             _, dtype, group = CASES[case]
-            ours = [LLM(converted(variant, case), dtype="float32").prefill_logits(ids) for ids in PROMPTS]
+            ours = [LLM(converted(variant, case), dtype="float32", expert_activations="float").prefill_logits(ids)
+                    for ids in PROMPTS]
             tensors = {n: t.float() for n, t in load_file(str(src.path / "model.safetensors")).items()}
             fake = fake_quant_reference(src.path, tensors, dtype, group, tmp_path_factory.mktemp("fake"))
             for ids, got in zip(PROMPTS, ours, strict=True):

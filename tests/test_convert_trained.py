@@ -6,7 +6,8 @@ measures ties, not the quantizer. Real models are confident. So each model here 
 steps on a synthetic second-order Markov language (the next token is a fixed function of the previous two, 90% of
 the time), which gives it confident predictions that depend on attention and the MoE layers. Then: int8 experts
 (per channel) keep mean KL per position < 1e-3 and top-1 agreement >= 99% against the float32 model; int4
-(group 128) keeps KL < 2e-2; and int4 costs measurably more than int8 (so the bounds measure the quantizer).
+(group 128) keeps KL < 2e-2, both with the default int8 activations (W8A8) and with float activations; and with
+float activations, int4 costs measurably more than int8 (so the bounds measure the quantizer).
 """
 
 from __future__ import annotations
@@ -94,10 +95,14 @@ def test_int8_and_int4_meet_the_accuracy_targets(trained, tmp_path):
     for dtype in ("int8", "int4"):
         dst = tmp_path / dtype
         assert main([str(src), str(dst), "--expert-dtype", dtype]) == 0
-        llm = LLM(dst, dtype="float32")
-        results[dtype] = kl_and_top1(ref, [llm.prefill_logits(ids.tolist()) for ids in heldout])
-        print(f"{variant} {dtype}: mean KL {results[dtype][0]:.2e}, top-1 agreement {results[dtype][1]:.4f}")
-    (kl8, top8), (kl4, _) = results["int8"], results["int4"]
-    assert 0 < kl8 < 1e-3 and top8 >= 0.99
-    assert kl4 < 2e-2
-    assert kl4 > 5 * kl8  # the metric sees the quantizer: int4's error is an order of magnitude above int8's
+        for activations in ("int8", "float"):
+            llm = LLM(dst, dtype="float32", expert_activations=activations)
+            kl, top1 = results[dtype, activations] = kl_and_top1(ref, [llm.prefill_logits(ids.tolist())
+                                                                        for ids in heldout])
+            print(f"{variant} {dtype} experts, {activations} activations: mean KL {kl:.2e}, top-1 {top1:.4f}")
+    for activations in ("int8", "float"):
+        (kl8, top8), (kl4, _) = results["int8", activations], results["int4", activations]
+        assert 0 < kl8 < 1e-3 and top8 >= 0.99
+        assert kl4 < 2e-2
+    # the metric sees the quantizer: int4's weight error is an order of magnitude above int8's
+    assert results["int4", "float"][0] > 5 * results["int8", "float"][0]

@@ -3,7 +3,10 @@
 Awkward cases: 1, 3, 17 and 300 tokens; top-k 1, 2 and 8; experts shared by many tokens, every token on one
 expert, -1 ids (experts computed elsewhere), a row of only -1; int8 (per channel and grouped), int4 and bf16; an
 intermediate size (I = 200) that neither the partition count nor the group size divides, and 1 or 3 forced
-partitions; both paths (numba decode kernels, PyTorch prefill), forced by the token threshold.
+partitions; both paths (numba decode kernels, PyTorch prefill), forced by the token threshold. Per-channel int8
+experts round their activations to int8 by default (W8A8, both paths): compared with a reference that rounds the
+same activations, and with the float reference within the rounding's error; with float activations they are
+exact to the float reference.
 """
 
 from __future__ import annotations
@@ -19,6 +22,11 @@ from cpu_experts.reference import moe_reference
 E, H, I = 8, 96, 200  # noqa: E741 (the shape letters of the project)
 DTYPES = [("int8", 0), ("int8", 64), ("int4", 32), ("int4", 128), ("bf16", 0)]
 REL_TOL = 1e-5  # float32 summation order only: both sides use the same dequantized weights
+# the W8A8 paths against the reference that rounds the same activations: activations within float32 error of a
+# rounding boundary may round the other way, one int8 step (1/127 of the row's largest) each, a few 1e-3 of the
+# output here; a wrong scale, group, offset or expert costs O(1)
+W8A8_REF_TOL = 1e-2
+W8A8_TOL = 3e-2  # int8 activations (one scale per row of H = 96 or I = 200 values) against float ones
 
 
 @pytest.fixture(scope="module")
@@ -71,25 +79,52 @@ def test_matches_reference(layers, dtype, group, partitions, path):
     assert len(layer.partitions) == min(partitions, -(-I // align))
     assert [(p.start, p.end) for p in layer.partitions][-1][1] == I
     op = CpuMoE(layer, prefill_min_tokens=1 if path == "prefill" else 10**9)
+    is_w8a8 = dtype != "bf16"
     for seed, (num_tokens, top_k, case) in enumerate([(1, 1, "random"), (3, 2, "with_minus_one"), (17, 8, "random"),
                                                       (300, 2, "one_expert"), (300, 8, "with_minus_one")]):
         ids, w = routing(num_tokens, top_k, case, seed)
         x = torch.randn(num_tokens, H, generator=torch.Generator().manual_seed(100 + seed))
-        want = moe_reference(x, gate, up, down, ids, w)
+        want = moe_reference(x, gate, up, down, ids, w, int8_activations=is_w8a8,
+                             partitions=[(p.start, p.end) for p in layer.partitions])
         got = op(x, ids, w)
         err, scale = float((got - want).abs().max()), float(want.abs().max())
-        assert err <= REL_TOL * max(scale, 1e-3), f"T={num_tokens} K={top_k} {case}: {err:.2e} vs {scale:.2e}"
+        tol = W8A8_REF_TOL if is_w8a8 else REL_TOL
+        assert err <= tol * max(scale, 1e-3), f"T={num_tokens} K={top_k} {case}: {err:.2e} vs {scale:.2e}"
+        if is_w8a8:  # and the rounding of the activations costs little against float activations
+            exact = moe_reference(x, gate, up, down, ids, w)
+            assert float((got - exact).abs().max()) <= W8A8_TOL * max(float(exact.abs().max()), 1e-3)
+
+
+@pytest.mark.parametrize("threshold", [1, 10**9])
+def test_float_activations_are_exact(layers, threshold):
+    layer, gate, up, down = layers("int8", 0, 3)
+    op = CpuMoE(layer, prefill_min_tokens=threshold, int8_activations=False)
+    ids, w = routing(17, 8, "with_minus_one", 7)
+    x = torch.randn(17, H, generator=torch.Generator().manual_seed(7))
+    want = moe_reference(x, gate, up, down, ids, w)
+    assert float((op(x, ids, w) - want).abs().max()) <= REL_TOL * float(want.abs().max())
+
+
+def test_w8a8_decode_matches_prefill(layers):
+    """A token gets the same result on either path (up to activations on a rounding boundary)."""
+    layer = layers("int8", 0, 1)[0]
+    ids, w = routing(40, 8, "random", 3)
+    x = torch.randn(40, H, generator=torch.Generator().manual_seed(3))
+    decoded = CpuMoE(layer, prefill_min_tokens=10**9)(x, ids, w)
+    prefilled = CpuMoE(layer, prefill_min_tokens=1)(x, ids, w)
+    assert float((decoded - prefilled).abs().max()) <= W8A8_REF_TOL * float(prefilled.abs().max())
 
 
 def test_bfloat16_activations(layers):
     layer, gate, up, down = layers("int8", 0, 1)
     ids, w = routing(5, 2, "random", 1)
-    x = torch.randn(5, H)
-    want = moe_reference(x, gate, up, down, ids, w)
-    for threshold in (1, 10**9):
-        got = CpuMoE(layer, prefill_min_tokens=threshold)(x.bfloat16(), ids, w)
+    x = torch.randn(5, H).bfloat16()
+    for threshold in (1, 10**9):  # prefill (W8A8), decode
+        want = moe_reference(x.float(), gate, up, down, ids, w, int8_activations=True)
+        got = CpuMoE(layer, prefill_min_tokens=threshold)(x, ids, w)
         assert got.dtype == torch.bfloat16
-        assert float((got.float() - want).abs().max()) <= 2e-2 * float(want.abs().max())
+        # bf16 input and output rounding, and the activations that it moves across an int8 rounding boundary
+        assert float((got.float() - want).abs().max()) <= 3e-2 * float(want.abs().max())
 
 
 def test_route_groups_pairs_by_expert():
