@@ -5,8 +5,11 @@ expert is computed elsewhere and contributes nothing here) and top-k weights [T,
 [T, H] = sum_k weight[t, k] * expert_{id[t, k]}(hidden[t]) with the SiLU-gated expert MLP.
 
 Data flow: an expert file (`expert_file`: the converter's canonical layout, quantized by `formats`) -> `packed`
-(split along I into partitions, one per NUMA node from `topology`, or forced) -> `operator.CpuMoE` (numba decode
-kernels in `kernels`, PyTorch matmul for prefill) -> `module.CpuExperts`, the experts-backend module the models use.
+(split along I into partitions, one per NUMA node from `topology`, or forced; in huge-page `memory`) ->
+`operator.CpuMoE` (routing; decode: numba streaming kernels, integer `kernels_vnni` on CPUs with VNNI, else float
+`kernels`; prefill: grouped matmuls in `prefill`) -> `module.CpuExperts`, the experts-backend module the models use.
+Quantized experts compute with int8 activations by default (W8A8, one scale per row; `int8_activations=False` for
+float activations).
 `executor` runs an operator asynchronously (submit / sync over fixed, pinnable buffers) so the engine can overlap
 it with GPU work. `reference` is the plain-PyTorch oracle the kernels are tested against. Nothing here imports the
 engine (`hybrid`).

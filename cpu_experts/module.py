@@ -9,12 +9,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from cpu_experts.operator import DEFAULT_PREFILL_MIN_TOKENS, CpuMoE
+from cpu_experts.operator import CpuMoE
 from cpu_experts.packed import PackedLayer
 
 
 class CpuExperts(nn.Module):
-    def __init__(self, layer_idx: int, prefill_min_tokens: int = DEFAULT_PREFILL_MIN_TOKENS,
+    def __init__(self, layer_idx: int, prefill_min_tokens: int | None = None,
                  int8_activations: bool = True):
         super().__init__()
         self.layer_idx = layer_idx

@@ -20,11 +20,13 @@ import numpy as np
 import torch
 from numba import njit
 
-from cpu_experts import kernels
+from cpu_experts import kernels, kernels_vnni
 from cpu_experts.packed import PackedLayer
 from cpu_experts.prefill import DequantPrefill, Int8Prefill, Workspace
 
-DEFAULT_PREFILL_MIN_TOKENS = 64
+# Token counts from which the prefill path runs, per expert dtype, where the two paths measured even on the
+# 16-core Xeon (docs/benchmarks.md); int4 prefill dequantizes every routed expert, so its decode kernels win longer.
+PREFILL_MIN_TOKENS = {"int8": 64, "int4": 512, "bf16": 0}
 
 
 @dataclass(frozen=True)
@@ -99,23 +101,26 @@ class CpuMoE:
     int8 experts then prefill as int8 x int8 (`cpu_experts.prefill`). False keeps activations in float, exact to
     the converted weights, prefill slower. `workspace`: scratch buffers, shareable by all layers of a model."""
 
-    def __init__(self, layer: PackedLayer, prefill_min_tokens: int = DEFAULT_PREFILL_MIN_TOKENS,
+    def __init__(self, layer: PackedLayer, prefill_min_tokens: int | None = None,
                  int8_activations: bool = True, workspace: Workspace | None = None):
         self.layer = layer
         self.spec = layer.spec
-        self.prefill_min_tokens = prefill_min_tokens
+        self.prefill_min_tokens = PREFILL_MIN_TOKENS[self.spec.dtype] if prefill_min_tokens is None \
+            else prefill_min_tokens
         self.is_w8a8 = self.spec.dtype != "bf16" and int8_activations
         workspace = workspace or Workspace()
         is_int8_channel = self.spec.dtype == "int8" and self.spec.group_size == 0
         self.int8_prefill = Int8Prefill(layer, workspace) if self.is_w8a8 and is_int8_channel else None
         self.dequant_prefill = DequantPrefill(layer, workspace, round_activations=self.is_w8a8)
+        self.is_vnni = self.is_w8a8 and kernels_vnni.has_vnni()  # integer decode kernels (same results)
 
     def __call__(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         self._check(hidden, topk_ids, topk_weights)
         routing = route(topk_ids.cpu().numpy(), topk_weights.detach().float().cpu().numpy(), self.spec.num_experts)
         top_k = topk_ids.shape[1]
         if self.spec.dtype != "bf16" and hidden.shape[0] < self.prefill_min_tokens:
-            return torch.from_numpy(self._decode(_float32(hidden), routing)).to(hidden.dtype)
+            decode = self._decode_vnni if self.is_vnni else self._decode
+            return torch.from_numpy(decode(_float32(hidden), routing)).to(hidden.dtype)
         if self.int8_prefill is not None:
             return torch.from_numpy(self.int8_prefill(_float32(hidden), routing, top_k)).to(hidden.dtype)
         dtype = hidden.dtype if hidden.dtype in (torch.bfloat16, torch.float32) else torch.float32
@@ -159,6 +164,40 @@ class CpuMoE:
             kernels.down_int4(*_split_int4(act, group_i), r.experts, r.offsets, r.pair_token, r.pair_weight,
                               part.down, part.down_scales, group_i, out)
         return out
+
+
+    def _decode_vnni(self, x: np.ndarray, routing: Routing) -> np.ndarray:
+        """The integer (VNNI) streaming kernels on int8 activations; x float32 [T, H] -> [T, H]."""
+        out = np.zeros_like(x)
+        r = routing
+        is_int8 = self.spec.dtype == "int8"
+        gate_up, down = ((kernels_vnni.gate_up_int8, kernels_vnni.down_int8) if is_int8
+                         else (kernels_vnni.gate_up_int4, kernels_vnni.down_int4))
+        group_h = self.spec.group(self.spec.hidden_size)
+        x_parts = _prepare_vnni(x, group_h, is_int8)
+        for part in self.layer.partitions:
+            group_i = self.spec.group_size or part.size
+            act = np.empty((len(r.pair_token), part.size), dtype=np.float32)
+            gate_up(*x_parts, r.experts, r.offsets, r.pair_token, part.gate, part.gate_scales, part.up,
+                    part.up_scales, group_h, act)
+            down(*_prepare_vnni(act, group_i, is_int8), r.experts, r.offsets, r.pair_token, r.pair_weight, part.down,
+                 part.down_scales, group_i, out)
+        return out
+
+
+def _prepare_vnni(x: np.ndarray, group: int, is_int8: bool) -> tuple[np.ndarray, ...]:
+    """x float32 [T, K] -> the VNNI kernels' activations (see `cpu_experts.kernels_vnni`)."""
+    rows, cols = x.shape
+    x_scale = np.empty(rows, dtype=np.float32)
+    x_sum = np.empty((rows, -(-cols // group)), dtype=np.int64)
+    if is_int8:
+        x_q = np.empty((rows, cols), dtype=np.int8)
+        kernels_vnni.prepare_int8(x, group, x_q, x_scale, x_sum)
+        return x_q, x_scale, x_sum
+    x_even = np.empty((rows, -(-cols // 2)), dtype=np.int8)
+    x_odd = np.empty_like(x_even)
+    kernels_vnni.prepare_int4(x, group, x_even, x_odd, x_scale, x_sum)
+    return x_even, x_odd, x_scale, x_sum
 
 
 def _float32(hidden: torch.Tensor) -> np.ndarray:

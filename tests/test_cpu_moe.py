@@ -3,10 +3,10 @@
 Awkward cases: 1, 3, 17 and 300 tokens; top-k 1, 2 and 8; experts shared by many tokens, every token on one
 expert, -1 ids (experts computed elsewhere), a row of only -1; int8 (per channel and grouped), int4 and bf16; an
 intermediate size (I = 200) that neither the partition count nor the group size divides, and 1 or 3 forced
-partitions; both paths (numba decode kernels, PyTorch prefill), forced by the token threshold. Per-channel int8
-experts round their activations to int8 by default (W8A8, both paths): compared with a reference that rounds the
-same activations, and with the float reference within the rounding's error; with float activations they are
-exact to the float reference.
+partitions; every path: integer (VNNI) decode kernels where the CPU has VNNI, float decode kernels, prefill
+matmuls. Quantized experts round their activations to int8 by default (W8A8, all paths): compared with a
+reference that rounds the same activations, and with the float reference within the rounding's error; with
+float activations they are exact to the float reference.
 """
 
 from __future__ import annotations
@@ -72,13 +72,17 @@ def routing(num_tokens: int, top_k: int, case: str, seed: int):
 
 @pytest.mark.parametrize("partitions", [1, 3])
 @pytest.mark.parametrize("dtype,group", DTYPES)
-@pytest.mark.parametrize("path", ["decode", "prefill"])
+@pytest.mark.parametrize("path", ["decode", "decode_float", "prefill"])
 def test_matches_reference(layers, dtype, group, partitions, path):
     layer, gate, up, down = layers(dtype, group, partitions)
     align = max(PARTITION_ALIGN, group)  # a partition owns whole scale groups: I = 200 in groups of 128 gives 2
     assert len(layer.partitions) == min(partitions, -(-I // align))
     assert [(p.start, p.end) for p in layer.partitions][-1][1] == I
     op = CpuMoE(layer, prefill_min_tokens=1 if path == "prefill" else 10**9)
+    if path == "decode_float":
+        op.is_vnni = False  # the float kernels, which CPUs without VNNI run
+    elif path == "decode" and not op.is_vnni and dtype != "bf16":
+        pytest.skip("this CPU has no VNNI: the float decode kernels are tested as decode_float")
     is_w8a8 = dtype != "bf16"
     for seed, (num_tokens, top_k, case) in enumerate([(1, 1, "random"), (3, 2, "with_minus_one"), (17, 8, "random"),
                                                       (300, 2, "one_expert"), (300, 8, "with_minus_one")]):
