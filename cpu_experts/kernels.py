@@ -94,6 +94,18 @@ def split_int4(x, group, x_even, x_odd, x_sum):
             x_sum[t, g] = total
 
 
+@njit(fastmath=True, cache=True)
+def quantize_row(src, q):
+    """src float32 [K] -> q int8 [K], returns the scale (symmetric, absmax / 127)."""
+    amax = np.float32(0.0)
+    for j in range(src.shape[0]):
+        amax = max(amax, abs(src[j]))
+    inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
+    for j in range(src.shape[0]):
+        q[j] = np.int8(np.rint(src[j] * inv))
+    return amax / np.float32(127.0)
+
+
 @njit(**FLAGS)
 def round_rows_int8(x):
     """In place: each row of x float32 [T, K] rounded to its int8 grid, absmax / 127 (the W8A8 activations, kept

@@ -21,6 +21,8 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from cpu_experts.kernels import quantize_row
+
 FLAGS = dict(parallel=True, fastmath=True, nogil=True, cache=True)
 VNNI = "llvm.x86.avx512.vpdpbusd.256"  # also selected as the VEX (AVX-VNNI) form where AVX-512 is absent
 
@@ -111,13 +113,7 @@ def prepare_int8(x, group, x_q, x_scale, x_sum):
     """x float32 [T, K] -> x_q int8 [T, K] (per-row absmax / 127), x_scale [T], x_sum int64 [T, G]."""
     cols = x.shape[1]
     for t in prange(x.shape[0]):
-        amax = np.float32(0.0)
-        for j in range(cols):
-            amax = max(amax, abs(x[t, j]))
-        inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
-        for j in range(cols):
-            x_q[t, j] = np.int8(np.rint(x[t, j] * inv))
-        x_scale[t] = amax / np.float32(127.0)
+        x_scale[t] = quantize_row(x[t], x_q[t])
         for g in range(x_sum.shape[1]):
             lo = g * group
             total = 0

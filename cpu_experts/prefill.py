@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from numba import njit, prange
 
 from cpu_experts import memory
-from cpu_experts.kernels import round_rows_int8
+from cpu_experts.kernels import quantize_row, round_rows_int8
 from cpu_experts.packed import PackedLayer, PartitionWeights
 
 MIN_TILE, MAX_TILE = 16, 64  # rows per int8 matmul (see `int8_tile`)
@@ -36,23 +36,11 @@ FLAGS = dict(parallel=True, fastmath=True, nogil=True, cache=True)
 
 # ---- numba kernels -------------------------------------------------------------------------------------------
 
-@njit(fastmath=True, cache=True)
-def _quantize_row(src, q):
-    """src float32 [K] -> q int8 [K], returns the scale (symmetric, absmax / 127)."""
-    amax = np.float32(0.0)
-    for j in range(src.shape[0]):
-        amax = max(amax, abs(src[j]))
-    inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
-    for j in range(src.shape[0]):
-        q[j] = np.int8(np.rint(src[j] * inv))
-    return amax / np.float32(127.0)
-
-
 @njit(**FLAGS)
 def quantize_rows(x, q, scales):
     """x float32 [T, K] -> q int8 [T, K], scales float32 [T]."""
     for t in prange(x.shape[0]):
-        scales[t] = _quantize_row(x[t], q[t])
+        scales[t] = quantize_row(x[t], q[t])
 
 
 @njit(**FLAGS)
@@ -68,7 +56,7 @@ def act_int8(gate_acc, up_acc, rows, pair_expert, x_scale, gate_s, up_s, act, ac
             g = np.float32(gate_acc[r, i]) * (xs * g_s[i, 0])
             u = np.float32(up_acc[r, i]) * (xs * u_s[i, 0])
             a[i] = g / (np.float32(1.0) + np.exp(-g)) * u
-        act_scale[r] = _quantize_row(a, act_q[r])
+        act_scale[r] = quantize_row(a, act_q[r])
 
 
 @njit(**FLAGS)
