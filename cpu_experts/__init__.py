@@ -7,7 +7,9 @@ expert is computed elsewhere and contributes nothing here) and top-k weights [T,
 Data flow: an expert file (`expert_file`: the converter's canonical layout, quantized by `formats`) -> `packed`
 (split along I into partitions, one per NUMA node from `topology`, or forced; in huge-page `memory`) ->
 `operator.CpuMoE` (routing; decode: numba streaming kernels, integer `kernels_vnni` on CPUs with VNNI, else float
-`kernels`; prefill: grouped matmuls in `prefill`) -> `module.CpuExperts`, the experts-backend module the models use.
+`kernels`; prefill: grouped matmuls, our AMX kernels in `prefill_amx` for per-channel int8 where the CPU has AMX,
+oneDNN in `prefill_int8` elsewhere, dequantize-and-multiply in `prefill` for the other formats) ->
+`module.CpuExperts`, the experts-backend module the models use.
 Quantized experts compute with int8 activations by default (W8A8, one scale per row; `int8_activations=False` for
 float activations).
 `executor` runs an operator asynchronously (submit / sync over fixed, pinnable buffers) so the engine can overlap

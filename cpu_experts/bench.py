@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from cpu_experts import memory
+from cpu_experts import memory, topology
 from cpu_experts.expert_file import ExpertLayerSpec
 from cpu_experts.operator import CpuMoE
 from cpu_experts.packed import PackedLayer, PartitionWeights
@@ -53,13 +53,18 @@ def _read_all(data):
     return total
 
 
-def read_bandwidth(nbytes: int, repeats: int = 9) -> float:
-    """Bytes per second of one parallel read-only pass over `nbytes` (median of `repeats`: the best of a few
-    passes swung by a third between runs on the 16-core Xeon), in the same huge-page memory as the experts."""
-    data = memory.empty((nbytes // 8,), np.int64)
-    data.fill(1)
-    _read_all(data)
-    return data.nbytes / statistics.median(_timed(lambda: _read_all(data)) for _ in range(repeats))
+class ReadBandwidth:
+    """Bytes per second of a parallel read-only pass over `nbytes` of the same huge-page memory as the experts,
+    the median of `repeats` passes. The device host's bandwidth drifts by a third within minutes (other tenants),
+    so every row of the table is measured against passes made just before and just after it."""
+
+    def __init__(self, nbytes: int):
+        self.data = memory.empty((nbytes // 8,), np.int64)
+        self.data.fill(1)
+        _read_all(self.data)
+
+    def __call__(self, repeats: int = 5) -> float:
+        return self.data.nbytes / statistics.median(_timed(lambda: _read_all(self.data)) for _ in range(repeats))
 
 
 def _timed(fn) -> float:
@@ -117,7 +122,7 @@ SHAPES_BY_SPEC = {(e, h): k for e, h, _, k in SHAPES.values()}
 
 def run(args) -> list[dict]:
     llc = last_level_cache_bytes()
-    bandwidth = read_bandwidth(max(8 * llc, 1 << 30))
+    bandwidth = ReadBandwidth(max(8 * llc, 1 << 30))
     rows = []
     for dtype in args.dtype.split(","):
         probe = random_layer(args.shape, dtype, 0)
@@ -125,12 +130,14 @@ def run(args) -> list[dict]:
         layers = [probe] + [random_layer(args.shape, dtype, i) for i in range(1, num_layers)]
         for tokens in (int(t) for t in args.tokens.split(",")):
             for path in args.paths.split(","):
+                before = bandwidth()
                 m = measure(layers, tokens, path, args.calls, seed=tokens)
+                read_bw = (before + bandwidth()) / 2
                 rows.append({"shape": args.shape, "dtype": dtype, "tokens": tokens, "path": path,
                              "layers": num_layers, "threads": torch.get_num_threads(),
                              "us_per_call": m["seconds"] * 1e6, "weights_gb_s": m["gb_s"],
-                             "read_bandwidth_gb_s": bandwidth / 1e9,
-                             "fraction_of_bandwidth": m["gb_s"] * 1e9 / bandwidth,
+                             "read_bandwidth_gb_s": read_bw / 1e9,
+                             "fraction_of_bandwidth": m["gb_s"] * 1e9 / read_bw,
                              "tflop_s": m["tflop_s"], "llc_mib": llc / 2**20})
     return rows
 
@@ -146,6 +153,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--threads", type=int, default=0, help="torch/numba threads (default: all)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    topology.set_worker_spin()
     if args.threads:
         torch.set_num_threads(args.threads)
         import numba
@@ -157,10 +165,10 @@ def main(argv: list[str]) -> int:
             print(json.dumps(row))
         return 0
     r0 = rows[0]
-    print(f"{args.shape}: {r0['layers']} layers, LLC {r0['llc_mib']:.0f} MiB, read bandwidth "
-          f"{r0['read_bandwidth_gb_s']:.1f} GB/s, {r0['threads']} threads, {os.cpu_count()} CPUs")
-    print("dtype  tokens  path     us/call   weights GB/s  of-bandwidth  TFLOP/s")
+    print(f"{args.shape}: {r0['layers']} layers, LLC {r0['llc_mib']:.0f} MiB, {r0['threads']} threads, "
+          f"{os.cpu_count()} CPUs")
+    print("dtype  tokens  path     us/call   weights GB/s  read GB/s  of-bandwidth  TFLOP/s")
     for r in rows:
         print(f"{r['dtype']:5s}  {r['tokens']:6d}  {r['path']:7s}  {r['us_per_call']:8.0f}  {r['weights_gb_s']:12.1f}"
-              f"  {r['fraction_of_bandwidth']:12.1%}  {r['tflop_s']:7.3f}")
+              f"  {r['read_bandwidth_gb_s']:9.1f}  {r['fraction_of_bandwidth']:12.1%}  {r['tflop_s']:7.3f}")
     return 0

@@ -8,6 +8,10 @@ group's sum of x_q over the columns the vector loop covers (whole 32s). `vpdpbus
 signed bytes, so int8 weights enter with their sign bit flipped (w + 128) and the dot is corrected by
 128 * x_sum; int4 nibbles are unsigned already (nibble = q + 8) and are corrected by 8 * x_sum.
 
+Each weight row is one call into LLVM IR (`_int8_dots`, `_int4_dots`): the gate and up rows of a token run in
+the same loop (two independent dependency chains per vector, so the loop is not bound by `vpdpbusd`'s latency),
+and int4 groups are scaled in vector registers, so a row pays one horizontal sum, not one per 128-column group.
+
 Only `has_vnni()` machines may call these: LLVM compiles the intrinsic for the host CPU on first use and has no
 fallback for it. `operator.CpuMoE` dispatches on it once, at construction.
 """
@@ -25,6 +29,10 @@ from cpu_experts.kernels import quantize_row
 
 FLAGS = dict(parallel=True, fastmath=True, nogil=True, cache=True)
 VNNI = "llvm.x86.avx512.vpdpbusd.256"  # also selected as the VEX (AVX-VNNI) form where AVX-512 is absent
+SERIAL_ROWS = 8  # activation rows below which quantizing them is not worth waking the thread pool
+
+I8, I32, F32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
+V8, F8 = ir.VectorType(I32, 8), ir.VectorType(F32, 8)
 
 
 def has_vnni() -> bool:
@@ -32,161 +40,343 @@ def has_vnni() -> bool:
     return bool(features.get("avxvnni") or (features.get("avx512vnni") and features.get("avx512vl")))
 
 
-def _vnni_codegen(is_int4: bool):
-    """LLVM IR for sum over 32-byte blocks of vpdpbusd; int8: (w ^ 0x80) . x; int4: lo . x_even + hi . x_odd."""
-    def codegen(context, builder, signature, args):
-        arrays = [context.make_array(ty)(context, builder, val) for ty, val in zip(signature.args, args, strict=True)]
-        n = builder.extract_value(arrays[0].shape, 0)
-        v8 = ir.VectorType(ir.IntType(32), 8)
-        bytes_ptr = ir.IntType(8).as_pointer()
-        ptrs = [builder.bitcast(a.data, bytes_ptr) for a in arrays]
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8, [v8, v8, v8]), VNNI)
-        acc_ptr = cgutils.alloca_once_value(builder, ir.Constant(v8, [0] * 8))
-        nibble = ir.Constant(v8, [0x0F0F0F0F] * 8)
-        sign = ir.Constant(v8, [-0x7F7F7F80] * 8)  # 0x80808080
-        with cgutils.for_range(builder, builder.sdiv(n, ir.Constant(n.type, 32))) as loop:
-            offset = builder.mul(loop.index, ir.Constant(n.type, 32))
-            v = [builder.load(builder.bitcast(builder.gep(p, [offset]), v8.as_pointer()), align=1) for p in ptrs]
-            acc = builder.load(acc_ptr)
-            if is_int4:
-                acc = builder.call(fn, [acc, builder.and_(v[0], nibble), v[1]])
-                high = builder.and_(builder.lshr(v[0], ir.Constant(v8, [4] * 8)), nibble)
-                acc = builder.call(fn, [acc, high, v[2]])
-            else:
-                acc = builder.call(fn, [acc, builder.xor(v[0], sign), v[1]])
-            builder.store(acc, acc_ptr)
-        acc = builder.load(acc_ptr)
-        total = builder.extract_element(acc, ir.Constant(ir.IntType(32), 0))
-        for k in range(1, 8):
-            total = builder.add(total, builder.extract_element(acc, ir.Constant(ir.IntType(32), k)))
-        return builder.sext(total, ir.IntType(64))
+# ---- LLVM IR: whole-row dot products ---------------------------------------------------------------------------
+
+class _IR:
+    """Helpers for one codegen call: typed data pointers of numba arrays, unaligned 32-byte loads, intrinsics."""
+
+    def __init__(self, context, builder):
+        self.context, self.b = context, builder
+
+    def data(self, ty, val, elem=I8):
+        array = self.context.make_array(ty)(self.context, self.b, val)
+        return self.b.bitcast(array.data, elem.as_pointer()), array
+
+    def load(self, base, offset):
+        return self.b.load(self.b.bitcast(self.b.gep(base, [offset]), V8.as_pointer()), align=1)
+
+    def call(self, name, ret, arg_types, args):
+        fn = cgutils.get_or_insert_function(self.b.module, ir.FunctionType(ret, arg_types), name)
+        return self.b.call(fn, args)
+
+    def vnni(self, acc, unsigned, signed):
+        return self.call(VNNI, V8, [V8, V8, V8], [acc, unsigned, signed])
+
+    def zeroed(self, ty):
+        return cgutils.alloca_once_value(self.b, ir.Constant(ty, None))
+
+    def splat(self, scalar):
+        vec = ir.Constant(F8, None)
+        for k in range(8):
+            vec = self.b.insert_element(vec, scalar, ir.Constant(I32, k))
+        return vec
+
+
+def _int8_codegen(num_rows: int):
+    """sum_j (w[j] + 128) * x[j] for each of `num_rows` rows over the first len(w) // 32 * 32 columns; two
+    accumulators per row (alternate 32-byte blocks) keep two `vpdpbusd` chains in flight."""
+    def codegen(context, builder, sig, args):
+        g = _IR(context, builder)
+        ptrs = [g.data(ty, val) for ty, val in zip(sig.args, args, strict=True)]
+        rows, x = [p for p, _ in ptrs[:num_rows]], ptrs[num_rows][0]
+        n = builder.extract_value(ptrs[0][1].shape, 0)
+        c32, c64 = ir.Constant(n.type, 32), ir.Constant(n.type, 64)
+        sign = ir.Constant(V8, [-0x7F7F7F80] * 8)  # 0x80 in every byte
+        accs = [g.zeroed(V8) for _ in range(2 * num_rows)]
+
+        def block(offset, half):
+            xv = g.load(x, offset)
+            for j, row in enumerate(rows):
+                acc = accs[2 * j + half]
+                builder.store(g.vnni(builder.load(acc), builder.xor(g.load(row, offset), sign), xv), acc)
+
+        with cgutils.for_range(builder, builder.sdiv(n, c64)) as loop:
+            offset = builder.mul(loop.index, c64)
+            block(offset, 0)
+            block(builder.add(offset, c32), 1)
+        with builder.if_then(builder.icmp_signed(">=", builder.srem(n, c64), c32)):
+            block(builder.mul(builder.sdiv(n, c64), c64), 0)
+        sums = []
+        for j in range(num_rows):
+            vec = builder.add(builder.load(accs[2 * j]), builder.load(accs[2 * j + 1]))
+            total = g.call("llvm.vector.reduce.add.v8i32", I32, [V8], [vec])
+            sums.append(builder.sext(total, ir.IntType(64)))
+        return sums[0] if num_rows == 1 else context.make_tuple(builder, sig.return_type, sums)
+    return codegen
+
+
+def _int4_codegen(num_rows: int):
+    """sum_g scale[g] * sum_b (lo(w[b]) * x_even[b] + hi(w[b]) * x_odd[b]) over the first `num_groups` groups
+    of `half` bytes (a multiple of 32) of each row, the group sums scaled in float vectors."""
+    def codegen(context, builder, sig, args):
+        g = _IR(context, builder)
+        rows = [g.data(sig.args[j], args[j])[0] for j in range(num_rows)]
+        scales = [g.data(sig.args[num_rows + j], args[num_rows + j], F32)[0] for j in range(num_rows)]
+        x_even = g.data(sig.args[2 * num_rows], args[2 * num_rows])[0]
+        x_odd = g.data(sig.args[2 * num_rows + 1], args[2 * num_rows + 1])[0]
+        num_groups, half = args[-2], args[-1]
+        c32 = ir.Constant(half.type, 32)
+        nibble = ir.Constant(V8, [0x0F0F0F0F] * 8)
+        four = ir.Constant(V8, [4] * 8)
+        faccs = [g.zeroed(F8) for _ in range(num_rows)]
+        lo, hi = [g.zeroed(V8) for _ in range(num_rows)], [g.zeroed(V8) for _ in range(num_rows)]
+        with cgutils.for_range(builder, num_groups) as group_loop:
+            base = builder.mul(group_loop.index, half)
+            for acc in lo + hi:
+                builder.store(ir.Constant(V8, None), acc)
+            with cgutils.for_range(builder, builder.sdiv(half, c32)) as block_loop:
+                offset = builder.add(base, builder.mul(block_loop.index, c32))
+                xe, xo = g.load(x_even, offset), g.load(x_odd, offset)
+                for j, row in enumerate(rows):
+                    w = g.load(row, offset)
+                    builder.store(g.vnni(builder.load(lo[j]), builder.and_(w, nibble), xe), lo[j])
+                    high = builder.and_(builder.lshr(w, four), nibble)
+                    builder.store(g.vnni(builder.load(hi[j]), high, xo), hi[j])
+            for j in range(num_rows):
+                total = builder.sitofp(builder.add(builder.load(lo[j]), builder.load(hi[j])), F8)
+                scale = builder.load(builder.gep(scales[j], [group_loop.index]))
+                fma = g.call("llvm.fma.v8f32", F8, [F8, F8, F8], [total, g.splat(scale), builder.load(faccs[j])])
+                builder.store(fma, faccs[j])
+        sums = [g.call("llvm.vector.reduce.fadd.v8f32", F32, [F32, F8], [ir.Constant(F32, 0.0),
+                                                                          builder.load(acc)]) for acc in faccs]
+        return sums[0] if num_rows == 1 else context.make_tuple(builder, sig.return_type, sums)
     return codegen
 
 
 @intrinsic
-def _vnni_int8(typingctx, w, x):
+def _int8_dot(typingctx, w, x):
     """sum_j (w[j] + 128) * x[j] over the first len(w) // 32 * 32 columns; w, x int8 1-D, unit stride."""
-    return types.int64(w, x), _vnni_codegen(is_int4=False)
+    return types.int64(w, x), _int8_codegen(1)
 
 
 @intrinsic
-def _vnni_int4(typingctx, w, x_even, x_odd):
-    """sum_b lo(w[b]) * x_even[b] + hi(w[b]) * x_odd[b] over the first len(w) // 32 * 32 bytes."""
-    return types.int64(w, x_even, x_odd), _vnni_codegen(is_int4=True)
+def _int8_dot2(typingctx, w0, w1, x):
+    """`_int8_dot` of two rows against one x, in one loop."""
+    return types.UniTuple(types.int64, 2)(w0, w1, x), _int8_codegen(2)
+
+
+@intrinsic
+def _int4_dot(typingctx, w, scales, x_even, x_odd, num_groups, half):
+    """sum over the first num_groups groups of scales[g] * (lo . x_even + hi . x_odd) on unsigned nibbles."""
+    return types.float32(w, scales, x_even, x_odd, num_groups, half), _int4_codegen(1)
+
+
+@intrinsic
+def _int4_dot2(typingctx, w0, w1, s0, s1, x_even, x_odd, num_groups, half):
+    """`_int4_dot` of two rows (with their own scales) against one activation, in one loop."""
+    return types.UniTuple(types.float32, 2)(w0, w1, s0, s1, x_even, x_odd, num_groups, half), _int4_codegen(2)
+
+
+# ---- row dot products ------------------------------------------------------------------------------------------
+
+@njit(fastmath=True, cache=True)
+def _tail_int8(row, x_q, lo, hi):
+    s = 0
+    for j in range(lo, hi):
+        s += np.int64(row[j]) * np.int64(x_q[j])
+    return s
 
 
 @njit(fastmath=True, cache=True)
 def _dot_int8(row, scales, x_q, x_sum, group):
     cols = x_q.shape[0]
+    if scales.shape[0] == 1:  # per channel: the whole row in one call
+        vec_end = cols // 32 * 32
+        s = _int8_dot(row, x_q) - 128 * x_sum[0] + _tail_int8(row, x_q, vec_end, cols)
+        return np.float32(s) * scales[0]
     acc = np.float32(0.0)
     for g in range(scales.shape[0]):
         lo = g * group
         hi = min(lo + group, cols)
         vec_end = lo + (hi - lo) // 32 * 32
-        s = _vnni_int8(row[lo:vec_end], x_q[lo:vec_end]) - 128 * x_sum[g]
-        for j in range(vec_end, hi):
-            s += np.int64(row[j]) * np.int64(x_q[j])
+        s = _int8_dot(row[lo:vec_end], x_q[lo:vec_end]) - 128 * x_sum[g] + _tail_int8(row, x_q, vec_end, hi)
         acc += np.float32(s) * scales[g]
     return acc
 
 
 @njit(fastmath=True, cache=True)
-def _dot_int4(row, scales, x_even, x_odd, x_sum, group):
-    # row: ceil(K / 2) packed bytes; group is even, so a group is whole bytes; x_odd is zero past an odd K
-    half = group // 2
+def _dot2_int8(w0, s0, w1, s1, x_q, x_sum, group):
+    """(w0 . x, w1 . x) scaled, for the gate and up rows of one token."""
+    if s0.shape[0] != 1:
+        return _dot_int8(w0, s0, x_q, x_sum, group), _dot_int8(w1, s1, x_q, x_sum, group)
+    cols = x_q.shape[0]
+    vec_end = cols // 32 * 32
+    a, b = _int8_dot2(w0, w1, x_q)
+    a += _tail_int8(w0, x_q, vec_end, cols) - 128 * x_sum[0]
+    b += _tail_int8(w1, x_q, vec_end, cols) - 128 * x_sum[0]
+    return np.float32(a) * s0[0], np.float32(b) * s1[0]
+
+
+@njit(fastmath=True, cache=True)
+def _groups_int4(row, scales, x_even, x_odd, x_sum, group, first):
+    """Groups `first`.. one at a time: a last partial group, or groups whose bytes are not whole 32s."""
+    half = group // 2  # group is even, so a group is whole bytes; x_odd is zero past an odd K
     num_bytes = row.shape[0]
     acc = np.float32(0.0)
-    for g in range(scales.shape[0]):
+    for g in range(first, scales.shape[0]):
         lo = g * half
         hi = min(lo + half, num_bytes)
         vec_end = lo + (hi - lo) // 32 * 32
-        s = _vnni_int4(row[lo:vec_end], x_even[lo:vec_end], x_odd[lo:vec_end]) - 8 * x_sum[g]
+        s = -8 * x_sum[g]
         for b in range(vec_end, hi):
             byte = np.int64(row[b])
             s += ((byte & 15) - 8) * np.int64(x_even[b]) + ((byte >> 4) - 8) * np.int64(x_odd[b])
         acc += np.float32(s) * scales[g]
+        if vec_end > lo:
+            acc += _int4_dot(row[lo:vec_end], scales[g:g + 1], x_even[lo:vec_end], x_odd[lo:vec_end], 1,
+                             vec_end - lo)
     return acc
+
+
+@njit(fastmath=True, cache=True)
+def _int4_correction(scales, x_sum, num_groups):
+    """8 * sum_g scale[g] * x_sum[g]: what the unsigned nibbles (q + 8) add to the first num_groups groups."""
+    acc = np.float32(0.0)
+    for g in range(num_groups):
+        acc += scales[g] * np.float32(x_sum[g])
+    return np.float32(8.0) * acc
+
+
+@njit(fastmath=True, cache=True)
+def _dot_int4(row, scales, x_even, x_odd, x_sum, group):
+    half = group // 2
+    full = row.shape[0] // half if half % 32 == 0 else 0
+    acc = _int4_dot(row, scales, x_even, x_odd, full, half) - _int4_correction(scales, x_sum, full)
+    return acc + _groups_int4(row, scales, x_even, x_odd, x_sum, group, full)
+
+
+@njit(fastmath=True, cache=True)
+def _dot2_int4(w0, s0, w1, s1, x_even, x_odd, x_sum, group):
+    half = group // 2
+    full = w0.shape[0] // half if half % 32 == 0 else 0
+    a, b = _int4_dot2(w0, w1, s0, s1, x_even, x_odd, full, half)
+    a += _groups_int4(w0, s0, x_even, x_odd, x_sum, group, full) - _int4_correction(s0, x_sum, full)
+    b += _groups_int4(w1, s1, x_even, x_odd, x_sum, group, full) - _int4_correction(s1, x_sum, full)
+    return a, b
+
+
+# ---- activations -----------------------------------------------------------------------------------------------
+
+@njit(fastmath=True, cache=True)
+def _block_sums(q, group, x_sum):
+    """x_sum[g] = sum of q over group g's whole 32-element blocks (the columns the vector loop covers)."""
+    cols = q.shape[0]
+    for g in range(x_sum.shape[0]):
+        lo = g * group
+        total = 0
+        for j in range(lo, lo + (min(lo + group, cols) - lo) // 32 * 32):
+            total += q[j]
+        x_sum[g] = total
+
+
+@njit(fastmath=True, cache=True)
+def _quantize_int4_row(x, x_even, x_odd, x_sum, group):
+    """x float32 [K] -> x_even / x_odd int8 [ceil(K / 2)] (columns 2b and 2b + 1 rounded, x_odd zero past an odd
+    K), x_sum: each group's sum of both over its whole 32-byte blocks; returns the scale."""
+    cols = x.shape[0]
+    amax = np.float32(0.0)
+    for j in range(cols):
+        amax = max(amax, abs(x[j]))
+    inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
+    for b in range(x_even.shape[0]):
+        x_even[b] = np.int8(np.rint(x[2 * b] * inv))
+        x_odd[b] = np.int8(np.rint(x[2 * b + 1] * inv)) if 2 * b + 1 < cols else np.int8(0)
+    half = group // 2
+    for g in range(x_sum.shape[0]):
+        lo = g * half
+        total = 0
+        for b in range(lo, lo + (min(lo + half, x_even.shape[0]) - lo) // 32 * 32):
+            total += np.int64(x_even[b]) + np.int64(x_odd[b])
+        x_sum[g] = total
+    return amax / np.float32(127.0)
 
 
 @njit(**FLAGS)
 def prepare_int8(x, group, x_q, x_scale, x_sum):
     """x float32 [T, K] -> x_q int8 [T, K] (per-row absmax / 127), x_scale [T], x_sum int64 [T, G]."""
-    cols = x.shape[1]
-    for t in prange(x.shape[0]):
-        x_scale[t] = quantize_row(x[t], x_q[t])
-        for g in range(x_sum.shape[1]):
-            lo = g * group
-            total = 0
-            for j in range(lo, lo + (min(lo + group, cols) - lo) // 32 * 32):
-                total += x_q[t, j]
-            x_sum[t, g] = total
+    if x.shape[0] < SERIAL_ROWS:
+        for t in range(x.shape[0]):
+            x_scale[t] = quantize_row(x[t], x_q[t])
+            _block_sums(x_q[t], group, x_sum[t])
+    else:
+        for t in prange(x.shape[0]):
+            x_scale[t] = quantize_row(x[t], x_q[t])
+            _block_sums(x_q[t], group, x_sum[t])
 
 
 @njit(**FLAGS)
 def prepare_int4(x, group, x_even, x_odd, x_scale, x_sum):
-    """x float32 [T, K] -> x_even / x_odd int8 [T, ceil(K / 2)] (columns 2b and 2b + 1 of the rounded row; x_odd
-    zero past an odd K), x_scale [T], x_sum int64 [T, G]: each group's sum of both over its whole 32-byte blocks
-    (the vector loop's columns)."""
-    cols = x.shape[1]
-    half = group // 2
-    for t in prange(x.shape[0]):
-        amax = np.float32(0.0)
-        for j in range(cols):
-            amax = max(amax, abs(x[t, j]))
-        inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
-        for b in range(x_even.shape[1]):
-            x_even[t, b] = np.int8(np.rint(x[t, 2 * b] * inv))
-            x_odd[t, b] = np.int8(np.rint(x[t, 2 * b + 1] * inv)) if 2 * b + 1 < cols else np.int8(0)
-        x_scale[t] = amax / np.float32(127.0)
-        for g in range(x_sum.shape[1]):
-            lo = g * half
-            total = 0
-            for b in range(lo, lo + (min(lo + half, x_even.shape[1]) - lo) // 32 * 32):
-                total += np.int64(x_even[t, b]) + np.int64(x_odd[t, b])
-            x_sum[t, g] = total
+    """x float32 [T, K] -> x_even / x_odd int8 [T, ceil(K / 2)], x_scale [T], x_sum int64 [T, G]."""
+    if x.shape[0] < SERIAL_ROWS:
+        for t in range(x.shape[0]):
+            x_scale[t] = _quantize_int4_row(x[t], x_even[t], x_odd[t], x_sum[t], group)
+    else:
+        for t in prange(x.shape[0]):
+            x_scale[t] = _quantize_int4_row(x[t], x_even[t], x_odd[t], x_sum[t], group)
 
+
+# ---- one partition of one layer, in one call -------------------------------------------------------------------
+# One compiled call per partition instead of one per step: the dispatch of a numba call with a dozen arrays costs
+# microseconds, which a small-expert decode call (hundreds of microseconds in all) notices.
 
 @njit(**FLAGS)
-def gate_up_int8(x_q, x_scale, x_sum, experts, offsets, pair_token, gate, gate_s, up, up_s, group, act):
-    rows = gate.shape[1]
+def decode_int8(x, experts, offsets, pair_token, pair_weight, gate, gate_s, up, up_s, down, down_s, group_h,
+                group_i, out):
+    """out[T, H] += this partition's experts on x float32 [T, H] (see `cpu_experts.kernels` for the split)."""
+    num_tokens, num_pairs, rows = x.shape[0], pair_token.shape[0], gate.shape[1]
+    x_q = np.empty(x.shape, dtype=np.int8)
+    x_scale = np.empty(num_tokens, dtype=np.float32)
+    x_sum = np.empty((num_tokens, gate_s.shape[2]), dtype=np.int64)
+    prepare_int8(x, group_h, x_q, x_scale, x_sum)
+    act = np.empty((num_pairs, rows), dtype=np.float32)
     for r in prange(experts.shape[0] * rows):
         u, i = r // rows, r % rows
         e = experts[u]
         for p in range(offsets[u], offsets[u + 1]):
             t = pair_token[p]
-            g = _dot_int8(gate[e, i], gate_s[e, i], x_q[t], x_sum[t], group) * x_scale[t]
-            v = _dot_int8(up[e, i], up_s[e, i], x_q[t], x_sum[t], group) * x_scale[t]
+            g, v = _dot2_int8(gate[e, i], gate_s[e, i], up[e, i], up_s[e, i], x_q[t], x_sum[t], group_h)
+            g, v = g * x_scale[t], v * x_scale[t]
             act[p, i] = g / (np.float32(1.0) + np.exp(-g)) * v
-
-
-@njit(**FLAGS)
-def gate_up_int4(x_even, x_odd, x_scale, x_sum, experts, offsets, pair_token, gate, gate_s, up, up_s, group, act):
-    rows = gate.shape[1]
-    for r in prange(experts.shape[0] * rows):
-        u, i = r // rows, r % rows
-        e = experts[u]
-        for p in range(offsets[u], offsets[u + 1]):
-            t = pair_token[p]
-            g = _dot_int4(gate[e, i], gate_s[e, i], x_even[t], x_odd[t], x_sum[t], group) * x_scale[t]
-            v = _dot_int4(up[e, i], up_s[e, i], x_even[t], x_odd[t], x_sum[t], group) * x_scale[t]
-            act[p, i] = g / (np.float32(1.0) + np.exp(-g)) * v
-
-
-@njit(**FLAGS)
-def down_int8(a_q, a_scale, a_sum, experts, offsets, pair_token, pair_weight, down, down_s, group, out):
+    a_q = np.empty(act.shape, dtype=np.int8)
+    a_scale = np.empty(num_pairs, dtype=np.float32)
+    a_sum = np.empty((num_pairs, down_s.shape[2]), dtype=np.int64)
+    prepare_int8(act, group_i, a_q, a_scale, a_sum)
     for h in prange(down.shape[1]):
         for u in range(experts.shape[0]):
             e = experts[u]
             for p in range(offsets[u], offsets[u + 1]):
-                dot = _dot_int8(down[e, h], down_s[e, h], a_q[p], a_sum[p], group)
+                dot = _dot_int8(down[e, h], down_s[e, h], a_q[p], a_sum[p], group_i)
                 out[pair_token[p], h] += pair_weight[p] * a_scale[p] * dot
 
 
 @njit(**FLAGS)
-def down_int4(a_even, a_odd, a_scale, a_sum, experts, offsets, pair_token, pair_weight, down, down_s, group, out):
+def decode_int4(x, experts, offsets, pair_token, pair_weight, gate, gate_s, up, up_s, down, down_s, group_h,
+                group_i, out):
+    """`decode_int8` for packed int4 weights (activations split into even and odd columns)."""
+    num_tokens, num_pairs, rows = x.shape[0], pair_token.shape[0], gate.shape[1]
+    x_even = np.empty((num_tokens, gate.shape[2]), dtype=np.int8)  # gate rows: ceil(H / 2) bytes
+    x_odd = np.empty_like(x_even)
+    x_scale = np.empty(num_tokens, dtype=np.float32)
+    x_sum = np.empty((num_tokens, gate_s.shape[2]), dtype=np.int64)
+    prepare_int4(x, group_h, x_even, x_odd, x_scale, x_sum)
+    act = np.empty((num_pairs, rows), dtype=np.float32)
+    for r in prange(experts.shape[0] * rows):
+        u, i = r // rows, r % rows
+        e = experts[u]
+        for p in range(offsets[u], offsets[u + 1]):
+            t = pair_token[p]
+            g, v = _dot2_int4(gate[e, i], gate_s[e, i], up[e, i], up_s[e, i], x_even[t], x_odd[t], x_sum[t],
+                              group_h)
+            g, v = g * x_scale[t], v * x_scale[t]
+            act[p, i] = g / (np.float32(1.0) + np.exp(-g)) * v
+    a_even = np.empty((num_pairs, down.shape[2]), dtype=np.int8)  # down rows: ceil(Ip / 2) bytes
+    a_odd = np.empty_like(a_even)
+    a_scale = np.empty(num_pairs, dtype=np.float32)
+    a_sum = np.empty((num_pairs, down_s.shape[2]), dtype=np.int64)
+    prepare_int4(act, group_i, a_even, a_odd, a_scale, a_sum)
     for h in prange(down.shape[1]):
         for u in range(experts.shape[0]):
             e = experts[u]
             for p in range(offsets[u], offsets[u + 1]):
-                dot = _dot_int4(down[e, h], down_s[e, h], a_even[p], a_odd[p], a_sum[p], group)
+                dot = _dot_int4(down[e, h], down_s[e, h], a_even[p], a_odd[p], a_sum[p], group_i)
                 out[pair_token[p], h] += pair_weight[p] * a_scale[p] * dot

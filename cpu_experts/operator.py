@@ -7,9 +7,10 @@ Per call, the (token, slot) pairs are grouped by expert (`route`), then each par
 output and the partials are summed. Two paths, chosen per call by token count:
 - decode (few tokens): the numba kernels stream each routed expert's quantized rows once, dequantizing in
   registers (`cpu_experts.kernels`);
-- prefill (many tokens, `prefill_min_tokens` or more, and bf16 experts at any count): matmuls grouped by expert
-  (`cpu_experts.prefill`): int8 x int8 for per-channel int8 experts, otherwise each routed expert dequantized
-  once per call; both through PyTorch's oneDNN, which uses AMX or AVX-512 VNNI where the CPU has them.
+- prefill (many tokens, `prefill_min_tokens` or more, and bf16 experts at any count): matmuls grouped by expert.
+  Per-channel int8 experts multiply int8 x int8: our AMX grouped GEMM where the CPU has AMX
+  (`cpu_experts.prefill_amx`), else oneDNN per expert (`cpu_experts.prefill_int8`). Other experts are each
+  dequantized once per call and multiplied by PyTorch (`cpu_experts.prefill`).
 """
 
 from __future__ import annotations
@@ -20,13 +21,15 @@ import numpy as np
 import torch
 from numba import njit
 
-from cpu_experts import kernels, kernels_vnni
+from cpu_experts import kernels, kernels_vnni, prefill_amx
 from cpu_experts.packed import PackedLayer
-from cpu_experts.prefill import DequantPrefill, Int8Prefill, Workspace
+from cpu_experts.prefill import DequantPrefill, Workspace
+from cpu_experts.prefill_int8 import Int8Prefill
 
 # Token counts from which the prefill path runs, per expert dtype, where the two paths measured even on the
 # 16-core Xeon (docs/benchmarks.md); int4 prefill dequantizes every routed expert, so its decode kernels win longer.
 PREFILL_MIN_TOKENS = {"int8": 64, "int4": 512, "bf16": 0}
+AMX_PREFILL_MIN_TOKENS = 8  # per-channel int8 on AMX (`cpu_experts.prefill_amx`): from here it beats decode
 
 
 @dataclass(frozen=True)
@@ -36,95 +39,84 @@ class Routing:
     offsets: np.ndarray  # [U + 1] int64
     pair_token: np.ndarray  # [P] int64
     pair_weight: np.ndarray  # [P] float32
-    pair_index: np.ndarray  # [T * K] int64: each (token, slot)'s pair, -1 for an id of -1
 
 
 def route(topk_ids: np.ndarray, topk_weights: np.ndarray, num_experts: int) -> Routing:
     flat = np.ascontiguousarray(topk_ids.reshape(-1), dtype=np.int64)
     weights = np.ascontiguousarray(topk_weights.reshape(-1), dtype=np.float32)
-    bad = _first_invalid(flat, num_experts)
+    *arrays, bad = _route(flat, weights, topk_ids.shape[1], num_experts)
     if bad >= 0:
         raise ValueError(f"topk_ids holds expert {flat[bad]}, outside [-1, {num_experts})")
+    return Routing(*arrays)
+
+
+@njit(cache=True)
+def _route(flat, weights, top_k, num_experts):
+    """A counting sort, stable by (expert, token), in one compiled call: per-call work that numpy's unique and
+    argsort did in tens of microseconds, a noticeable share of a small-expert decode call. Returns the Routing
+    arrays and the index of the first id outside [-1, num_experts), or -1."""
     counts = np.zeros(num_experts, dtype=np.int64)
-    num_pairs = _count(flat, counts)
+    num_pairs = 0
+    for j in range(flat.size):
+        e = flat[j]
+        if e < -1 or e >= num_experts:
+            empty = np.empty(0, dtype=np.int64)
+            return empty, np.zeros(1, dtype=np.int64), empty, np.empty(0, dtype=np.float32), j
+        if e >= 0:
+            counts[e] += 1
+            num_pairs += 1
     experts = np.flatnonzero(counts)
-    offsets = np.zeros(len(experts) + 1, dtype=np.int64)
-    np.cumsum(counts[experts], out=offsets[1:])
+    offsets = np.zeros(experts.size + 1, dtype=np.int64)
+    for u in range(experts.size):
+        offsets[u + 1] = offsets[u] + counts[experts[u]]
+        counts[experts[u]] = offsets[u]  # from here on: the expert's next free pair
     pair_token = np.empty(num_pairs, dtype=np.int64)
     pair_weight = np.empty(num_pairs, dtype=np.float32)
-    pair_index = np.empty(flat.size, dtype=np.int64)
-    _scatter(flat, weights, topk_ids.shape[1], experts, offsets, counts, pair_token, pair_weight, pair_index)
-    return Routing(experts, offsets, pair_token, pair_weight, pair_index)
-
-
-# Routing is a counting sort in numba: per-call work that numpy's unique/argsort did in tens of microseconds, which
-# is a noticeable share of a small-expert decode call.
-
-@njit(cache=True)
-def _first_invalid(flat, num_experts):
-    for j in range(flat.size):
-        if flat[j] < -1 or flat[j] >= num_experts:
-            return j
-    return -1
-
-
-@njit(cache=True)
-def _count(flat, counts):
-    total = 0
-    for j in range(flat.size):
-        if flat[j] >= 0:
-            counts[flat[j]] += 1
-            total += 1
-    return total
-
-
-@njit(cache=True)
-def _scatter(flat, weights, top_k, experts, offsets, counts, pair_token, pair_weight, pair_index):
-    """Stable by (expert, token): `counts` becomes each expert's next free slot."""
-    for u in range(experts.size):
-        counts[experts[u]] = offsets[u]
     for j in range(flat.size):
         e = flat[j]
         if e < 0:
-            pair_index[j] = -1
             continue
         p = counts[e]
         counts[e] = p + 1
         pair_token[p] = j // top_k
         pair_weight[p] = weights[j]
-        pair_index[j] = p
+    return experts, offsets, pair_token, pair_weight, -1
 
 
 class CpuMoE:
     """`int8_activations` (int8 and int4 experts): every matmul input row is rounded to int8 with its own absmax
     scale (W8A8), on both paths, so a token gets the same result whether it is decoded or prefilled; per-channel
-    int8 experts then prefill as int8 x int8 (`cpu_experts.prefill`). False keeps activations in float, exact to
+    int8 experts then prefill as int8 x int8 (`cpu_experts.prefill_int8`). False keeps activations in float, exact to
     the converted weights, prefill slower. `workspace`: scratch buffers, shareable by all layers of a model."""
 
     def __init__(self, layer: PackedLayer, prefill_min_tokens: int | None = None,
                  int8_activations: bool = True, workspace: Workspace | None = None):
         self.layer = layer
         self.spec = layer.spec
-        self.prefill_min_tokens = PREFILL_MIN_TOKENS[self.spec.dtype] if prefill_min_tokens is None \
-            else prefill_min_tokens
         self.is_w8a8 = self.spec.dtype != "bf16" and int8_activations
         workspace = workspace or Workspace()
         is_int8_channel = self.spec.dtype == "int8" and self.spec.group_size == 0
-        self.int8_prefill = Int8Prefill(layer, workspace) if self.is_w8a8 and is_int8_channel else None
+        self.int8_prefill = None
+        if self.is_w8a8 and is_int8_channel:
+            is_amx = prefill_amx.has_amx() and prefill_amx.is_supported(layer)
+            self.int8_prefill = (prefill_amx.AmxPrefill if is_amx else Int8Prefill)(layer, workspace)
+        if prefill_min_tokens is None:
+            is_amx = isinstance(self.int8_prefill, prefill_amx.AmxPrefill)
+            prefill_min_tokens = AMX_PREFILL_MIN_TOKENS if is_amx else PREFILL_MIN_TOKENS[self.spec.dtype]
+        self.prefill_min_tokens = prefill_min_tokens
         self.dequant_prefill = DequantPrefill(layer, workspace, round_activations=self.is_w8a8)
         self.is_vnni = self.is_w8a8 and kernels_vnni.has_vnni()  # integer decode kernels (same results)
 
     def __call__(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         self._check(hidden, topk_ids, topk_weights)
         routing = route(topk_ids.cpu().numpy(), topk_weights.detach().float().cpu().numpy(), self.spec.num_experts)
-        top_k = topk_ids.shape[1]
         if self.spec.dtype != "bf16" and hidden.shape[0] < self.prefill_min_tokens:
             decode = self._decode_vnni if self.is_vnni else self._decode
             return torch.from_numpy(decode(_float32(hidden), routing)).to(hidden.dtype)
         if self.int8_prefill is not None:
-            return torch.from_numpy(self.int8_prefill(_float32(hidden), routing, top_k)).to(hidden.dtype)
+            return torch.from_numpy(self.int8_prefill(_float32(hidden), routing)).to(hidden.dtype)
         dtype = hidden.dtype if hidden.dtype in (torch.bfloat16, torch.float32) else torch.float32
-        return self.dequant_prefill(hidden.detach().to(dtype), routing, top_k).to(hidden.dtype)
+        return self.dequant_prefill(hidden.detach().to(dtype), routing).to(hidden.dtype)
 
     def _check(self, hidden, topk_ids, topk_weights) -> None:
         if hidden.dim() != 2 or hidden.shape[1] != self.spec.hidden_size:
@@ -165,39 +157,16 @@ class CpuMoE:
                               part.down, part.down_scales, group_i, out)
         return out
 
-
     def _decode_vnni(self, x: np.ndarray, routing: Routing) -> np.ndarray:
         """The integer (VNNI) streaming kernels on int8 activations; x float32 [T, H] -> [T, H]."""
         out = np.zeros_like(x)
         r = routing
-        is_int8 = self.spec.dtype == "int8"
-        gate_up, down = ((kernels_vnni.gate_up_int8, kernels_vnni.down_int8) if is_int8
-                         else (kernels_vnni.gate_up_int4, kernels_vnni.down_int4))
+        decode = kernels_vnni.decode_int8 if self.spec.dtype == "int8" else kernels_vnni.decode_int4
         group_h = self.spec.group(self.spec.hidden_size)
-        x_parts = _prepare_vnni(x, group_h, is_int8)
         for part in self.layer.partitions:
-            group_i = self.spec.group_size or part.size
-            act = np.empty((len(r.pair_token), part.size), dtype=np.float32)
-            gate_up(*x_parts, r.experts, r.offsets, r.pair_token, part.gate, part.gate_scales, part.up,
-                    part.up_scales, group_h, act)
-            down(*_prepare_vnni(act, group_i, is_int8), r.experts, r.offsets, r.pair_token, r.pair_weight, part.down,
-                 part.down_scales, group_i, out)
+            decode(x, r.experts, r.offsets, r.pair_token, r.pair_weight, part.gate, part.gate_scales, part.up,
+                   part.up_scales, part.down, part.down_scales, group_h, self.spec.group_size or part.size, out)
         return out
-
-
-def _prepare_vnni(x: np.ndarray, group: int, is_int8: bool) -> tuple[np.ndarray, ...]:
-    """x float32 [T, K] -> the VNNI kernels' activations (see `cpu_experts.kernels_vnni`)."""
-    rows, cols = x.shape
-    x_scale = np.empty(rows, dtype=np.float32)
-    x_sum = np.empty((rows, -(-cols // group)), dtype=np.int64)
-    if is_int8:
-        x_q = np.empty((rows, cols), dtype=np.int8)
-        kernels_vnni.prepare_int8(x, group, x_q, x_scale, x_sum)
-        return x_q, x_scale, x_sum
-    x_even = np.empty((rows, -(-cols // 2)), dtype=np.int8)
-    x_odd = np.empty_like(x_even)
-    kernels_vnni.prepare_int4(x, group, x_even, x_odd, x_scale, x_sum)
-    return x_even, x_odd, x_scale, x_sum
 
 
 def _float32(hidden: torch.Tensor) -> np.ndarray:

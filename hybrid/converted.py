@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from cpu_experts import memory
+from cpu_experts import memory, topology
 from cpu_experts.expert_file import ROLES, ExpertLayerSpec, dequantize_matrix
 from cpu_experts.module import CpuExperts
 from cpu_experts.packed import PackedLayer
@@ -105,6 +105,7 @@ def cpu_experts_factory(layer_idx: int, config, int8_activations: bool = True) -
 
 def load_cpu_experts(model, experts: ConvertedExperts, num_partitions: int) -> None:
     """Hands every `CpuExperts` module of `model` its layer's packed weights, split into `num_partitions`."""
+    topology.set_worker_spin()
     for module in model.modules():
         if isinstance(module, CpuExperts):
             if module.layer_idx not in experts.layers:

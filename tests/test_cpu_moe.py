@@ -99,6 +99,30 @@ def test_matches_reference(layers, dtype, group, partitions, path):
             assert float((got - exact).abs().max()) <= W8A8_TOL * max(float(exact.abs().max()), 1e-3)
 
 
+@pytest.mark.parametrize("dtype,group", [("int8", 0), ("int4", 128), ("int4", 64)])
+def test_long_rows(dtype, group):
+    """Rows of several vector blocks and scale groups, with partial ones at the end (H = 2 * 128 + 96, I = 2 *
+    128 + 32): the kernels' unrolled loops, multi-group rows and tails, which the small shape above cannot reach."""
+    num_experts, hidden, inter = 4, 352, 288
+    gen = torch.Generator().manual_seed(1)
+    ws = [torch.randn(shape, generator=gen) * 0.1 for shape in ((num_experts, inter, hidden),) * 2
+          + ((num_experts, hidden, inter),)]
+    layer = PackedLayer.from_float(*ws, dtype, group, 1)
+    deq = [torch.stack([dequantize_matrix(*_parts(quantize_matrix(w[e], layer.spec)), role, layer.spec)
+                        for e in range(num_experts)]) for w, role in zip(ws, ("gate", "up", "down"), strict=True)]
+    ids = torch.tensor([[0, 3], [3, 1], [2, -1]])
+    w = torch.rand(3, 2, generator=gen)
+    x = torch.randn(3, hidden, generator=gen)
+    want = moe_reference(x, *deq, ids, w, int8_activations=True)
+    for threshold, is_vnni in ((10**9, True), (10**9, False), (1, False)):
+        op = CpuMoE(layer, prefill_min_tokens=threshold)
+        if is_vnni and not op.is_vnni:
+            continue  # no VNNI on this CPU
+        op.is_vnni = is_vnni
+        err = float((op(x, ids, w) - want).abs().max())
+        assert err <= W8A8_REF_TOL * float(want.abs().max()), (threshold, is_vnni, err)
+
+
 @pytest.mark.parametrize("threshold", [1, 10**9])
 def test_float_activations_are_exact(layers, threshold):
     layer, gate, up, down = layers("int8", 0, 3)
@@ -148,3 +172,59 @@ def test_bad_input_is_named(layers):
         op(torch.randn(2, H + 1), torch.zeros(2, 2, dtype=torch.int64), torch.ones(2, 2))
     with pytest.raises(ValueError, match="topk_ids"):
         op(x, torch.zeros(3, 2, dtype=torch.int64), torch.ones(3, 2))
+
+
+@pytest.mark.parametrize("partitions", [1, 3])
+@pytest.mark.parametrize("is_amx", [False, True])
+def test_amx_prefill(partitions, is_amx):
+    """The AMX grouped GEMM (`cpu_experts.prefill_amx`) against the W8A8 reference: its packing and epilogues on
+    every CPU (the tile instructions replaced by their plain-numba reference), the AMX instructions where the CPU
+    has them. H = 128 and I = 192 (3 x 64), odd column-tile counts, experts with many tokens and with one."""
+    from cpu_experts import prefill_amx
+    from cpu_experts.prefill import Workspace
+
+    if is_amx and not prefill_amx.has_amx():
+        pytest.skip("this CPU has no AMX")
+    num_experts, hidden, inter = 8, 128, 192
+    gen = torch.Generator().manual_seed(2)
+    ws = [torch.randn(shape, generator=gen) * 0.1 for shape in ((num_experts, inter, hidden),) * 2
+          + ((num_experts, hidden, inter),)]
+    layer = PackedLayer.from_float(*ws, "int8", 0, partitions)
+    deq = [torch.stack([dequantize_matrix(*_parts(quantize_matrix(w[e], layer.spec)), role, layer.spec)
+                        for e in range(num_experts)]) for w, role in zip(ws, ("gate", "up", "down"), strict=True)]
+    kernels = None if is_amx else prefill_amx.reference_kernels()
+    op = prefill_amx.AmxPrefill(layer, Workspace(), kernels)
+    bounds = [(p.start, p.end) for p in layer.partitions]
+    for seed, (num_tokens, top_k, case) in enumerate([(1, 2, "random"), (17, 8, "with_minus_one"),
+                                                      (300, 2, "one_expert"), (70, 8, "random")]):
+        ids, w = routing(num_tokens, top_k, case, seed)
+        x = torch.randn(num_tokens, hidden, generator=gen)
+        want = moe_reference(x, *deq, ids, w, int8_activations=True, partitions=bounds)
+        got = torch.from_numpy(op(x.numpy(), route(ids.numpy(), w.numpy(), num_experts)))
+        err = float((got - want).abs().max())
+        assert err <= W8A8_REF_TOL * float(want.abs().max()), (num_tokens, top_k, case, err)
+
+
+def test_fast_exp():
+    """The prefill epilogues' exponential (numba has no vector exp): within 5e-7 relative on [-87, 88], clamped
+    outside, and silu through it as torch's."""
+    import numpy as np
+    from numba import njit
+
+    from cpu_experts.kernels import fast_exp, silu_mul
+
+    @njit
+    def apply(x, out, silu):
+        for i in range(x.shape[0]):
+            out[i] = silu_mul(x[i], np.float32(1.0)) if silu else fast_exp(x[i])
+
+    x = np.linspace(-87, 88, 100_001, dtype=np.float32)
+    got = np.empty_like(x)
+    apply(x, got, False)
+    want = np.exp(x.astype(np.float64))
+    assert float(np.max(np.abs(got - want) / want)) < 5e-7
+    wide = np.array([-1e4, -200, 0, 200, 1e4], dtype=np.float32)
+    got = np.empty_like(wide)
+    apply(wide, got, True)
+    want = torch.nn.functional.silu(torch.from_numpy(wide)).numpy()
+    assert np.allclose(got, want, rtol=1e-6, atol=1e-30) and np.isfinite(got).all()
