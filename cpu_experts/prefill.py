@@ -1,10 +1,10 @@
 """Prefill path of the CPU MoE operator: many tokens, so the work is matrix multiplication, not streaming.
 
-Per-channel int8 experts with int8 activations (W8A8) take `cpu_experts.prefill_int8`. Everything else (int4,
-grouped int8, bf16, or int8 with float activations) takes `DequantPrefill` here: each routed expert is dequantized
-once per call to the activations' dtype by numba kernels (bf16 uses AMX-BF16 where present), then multiplied in
-PyTorch. The call's (token, slot) pairs, grouped by expert (`operator.Routing`), are rows of work buffers
-in that order: expert u's pairs are rows `offsets[u]:offsets[u + 1]`. Per partition of I:
+Per-channel int8 experts with int8 activations (W8A8) take `cpu_experts.prefill_amx` (AMX) or `prefill_int8`.
+The rest (int4, grouped int8, bf16, or int8 with float activations) takes `DequantPrefill` here: each routed
+expert is dequantized once per call to the activations' dtype by numba kernels (bf16 uses AMX-BF16 where
+present), then multiplied in PyTorch. The call's (token, slot) pairs, grouped by expert (`operator.Routing`), are
+rows of work buffers in that order: expert u's pairs are rows `offsets[u]:offsets[u + 1]`. Per partition of I:
 
 1. per expert: gate = x_rows @ gate[e].T and up = x_rows @ up[e].T  ([rows_e, H] @ [H, Ip])
 2. for all pairs at once: act = silu(gate) * up                      ([R, Ip])
