@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from numba import njit
 
-from cpu_experts import kernels, kernels_vnni, prefill_amx
+from cpu_experts import kernels, kernels_vnni, prefill_amx, prefill_amx_grouped
 from cpu_experts.packed import PackedLayer
 from cpu_experts.prefill import DequantPrefill, Workspace
 from cpu_experts.prefill_int8 import Int8Prefill
@@ -29,7 +29,8 @@ from cpu_experts.prefill_int8 import Int8Prefill
 # Token counts from which the prefill path runs, per expert dtype, where the two paths measured even on the
 # 16-core Xeon (docs/benchmarks.md); int4 prefill dequantizes every routed expert, so its decode kernels win longer.
 PREFILL_MIN_TOKENS = {"int8": 64, "int4": 512, "bf16": 0}
-AMX_PREFILL_MIN_TOKENS = 8  # per-channel int8 on AMX (`cpu_experts.prefill_amx`): from here it beats decode
+# On AMX (`cpu_experts.prefill_amx`, `prefill_amx_grouped`): from here the grouped GEMM beats the decode kernels.
+AMX_PREFILL_MIN_TOKENS = {"int8": 8, "int4": 32}
 
 
 @dataclass(frozen=True)
@@ -95,14 +96,10 @@ class CpuMoE:
         self.spec = layer.spec
         self.is_w8a8 = self.spec.dtype != "bf16" and int8_activations
         workspace = workspace or Workspace()
-        is_int8_channel = self.spec.dtype == "int8" and self.spec.group_size == 0
-        self.int8_prefill = None
-        if self.is_w8a8 and is_int8_channel:
-            is_amx = prefill_amx.has_amx() and prefill_amx.is_supported(layer)
-            self.int8_prefill = (prefill_amx.AmxPrefill if is_amx else Int8Prefill)(layer, workspace)
+        self.integer_prefill = _integer_prefill(layer, workspace) if self.is_w8a8 else None
         if prefill_min_tokens is None:
-            is_amx = isinstance(self.int8_prefill, prefill_amx.AmxPrefill)
-            prefill_min_tokens = AMX_PREFILL_MIN_TOKENS if is_amx else PREFILL_MIN_TOKENS[self.spec.dtype]
+            is_amx = isinstance(self.integer_prefill, (prefill_amx.AmxPrefill, prefill_amx_grouped.GroupedAmxPrefill))
+            prefill_min_tokens = (AMX_PREFILL_MIN_TOKENS if is_amx else PREFILL_MIN_TOKENS)[self.spec.dtype]
         self.prefill_min_tokens = prefill_min_tokens
         self.dequant_prefill = DequantPrefill(layer, workspace, round_activations=self.is_w8a8)
         self.is_vnni = self.is_w8a8 and kernels_vnni.has_vnni()  # integer decode kernels (same results)
@@ -113,8 +110,8 @@ class CpuMoE:
         if self.spec.dtype != "bf16" and hidden.shape[0] < self.prefill_min_tokens:
             decode = self._decode_vnni if self.is_vnni else self._decode
             return torch.from_numpy(decode(_float32(hidden), routing)).to(hidden.dtype)
-        if self.int8_prefill is not None:
-            return torch.from_numpy(self.int8_prefill(_float32(hidden), routing)).to(hidden.dtype)
+        if self.integer_prefill is not None:
+            return torch.from_numpy(self.integer_prefill(_float32(hidden), routing)).to(hidden.dtype)
         dtype = hidden.dtype if hidden.dtype in (torch.bfloat16, torch.float32) else torch.float32
         return self.dequant_prefill(hidden.detach().to(dtype), routing).to(hidden.dtype)
 
@@ -167,6 +164,18 @@ class CpuMoE:
             decode(x, r.experts, r.offsets, r.pair_token, r.pair_weight, part.gate, part.gate_scales, part.up,
                    part.up_scales, part.down, part.down_scales, group_h, self.spec.group_size or part.size, out)
         return out
+
+
+def _integer_prefill(layer: PackedLayer, workspace: Workspace):
+    """The int8 x int8 prefill for this layer's format on this CPU, or None (dequantize-and-multiply)."""
+    has_amx = prefill_amx.has_amx()
+    if has_amx and prefill_amx.is_supported(layer):
+        return prefill_amx.AmxPrefill(layer, workspace)
+    if has_amx and prefill_amx_grouped.is_supported(layer):
+        return prefill_amx_grouped.GroupedAmxPrefill(layer, workspace)
+    if layer.spec.dtype == "int8" and layer.spec.group_size == 0:
+        return Int8Prefill(layer, workspace)
+    return None
 
 
 def _float32(hidden: torch.Tensor) -> np.ndarray:

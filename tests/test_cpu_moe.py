@@ -176,24 +176,27 @@ def test_bad_input_is_named(layers):
 
 @pytest.mark.parametrize("partitions", [1, 3])
 @pytest.mark.parametrize("is_amx", [False, True])
-def test_amx_prefill(partitions, is_amx):
-    """The AMX grouped GEMM (`cpu_experts.prefill_amx`) against the W8A8 reference: its packing and epilogues on
-    every CPU (the tile instructions replaced by their plain-numba reference), the AMX instructions where the CPU
-    has them. H = 128 and I = 192 (3 x 64), odd column-tile counts, experts with many tokens and with one."""
-    from cpu_experts import prefill_amx
+@pytest.mark.parametrize("dtype,group", [("int8", 0), ("int4", 64), ("int4", 128), ("int8", 64)])
+def test_amx_prefill(partitions, is_amx, dtype, group):
+    """The AMX grouped GEMMs (`cpu_experts.prefill_amx` for per-channel int8, `prefill_amx_grouped` for int4 and
+    grouped int8) against the W8A8 reference: their packing, unpacking, group scales and epilogues on every CPU
+    (the tile instructions replaced by their plain-numba reference), the AMX instructions where the CPU has them.
+    H = 256 (several groups) and I = 192 (3 x 64), odd column-tile counts, experts with many tokens and with one."""
+    from cpu_experts import prefill_amx, prefill_amx_grouped
     from cpu_experts.prefill import Workspace
 
     if is_amx and not prefill_amx.has_amx():
         pytest.skip("this CPU has no AMX")
-    num_experts, hidden, inter = 8, 128, 192
+    num_experts, hidden, inter = 8, 256, 192
     gen = torch.Generator().manual_seed(2)
     ws = [torch.randn(shape, generator=gen) * 0.1 for shape in ((num_experts, inter, hidden),) * 2
           + ((num_experts, hidden, inter),)]
-    layer = PackedLayer.from_float(*ws, "int8", 0, partitions)
+    layer = PackedLayer.from_float(*ws, dtype, group, partitions)
     deq = [torch.stack([dequantize_matrix(*_parts(quantize_matrix(w[e], layer.spec)), role, layer.spec)
                         for e in range(num_experts)]) for w, role in zip(ws, ("gate", "up", "down"), strict=True)]
-    kernels = None if is_amx else prefill_amx.reference_kernels()
-    op = prefill_amx.AmxPrefill(layer, Workspace(), kernels)
+    module = prefill_amx if group == 0 else prefill_amx_grouped
+    prefill = prefill_amx.AmxPrefill if group == 0 else prefill_amx_grouped.GroupedAmxPrefill
+    op = prefill(layer, Workspace(), None if is_amx else module.reference_kernels())
     bounds = [(p.start, p.end) for p in layer.partitions]
     for seed, (num_tokens, top_k, case) in enumerate([(1, 2, "random"), (17, 8, "with_minus_one"),
                                                       (300, 2, "one_expert"), (70, 8, "random")]):
@@ -203,6 +206,24 @@ def test_amx_prefill(partitions, is_amx):
         got = torch.from_numpy(op(x.numpy(), route(ids.numpy(), w.numpy(), num_experts)))
         err = float((got - want).abs().max())
         assert err <= W8A8_REF_TOL * float(want.abs().max()), (num_tokens, top_k, case, err)
+
+
+def test_int4_column_order():
+    """Unpacked int4 rows and permuted activations meet column for column: their dot is the plain dot."""
+    import numpy as np
+
+    from cpu_experts.formats import pack_int4
+    from cpu_experts.prefill_amx_grouped import permute_columns, unpack_rows
+
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randint(-8, 8, (2, 3, 192), generator=gen, dtype=torch.int8)  # [E, N, K]
+    packed = torch.stack([pack_int4(q[e]) for e in range(2)]).numpy()
+    x = torch.randint(-127, 128, (1, 192), generator=gen, dtype=torch.int8).numpy()
+    a = np.empty(2 * 192, dtype=np.int8)
+    unpack_rows(packed, 1, 1, 2, True, a)
+    want = q[1, 1:3].numpy().astype(np.int64) @ x[0].astype(np.int64)
+    got = a.reshape(2, 192).astype(np.int64) @ permute_columns(x)[0].astype(np.int64)
+    assert (got == want).all() and not (a.reshape(2, 192) == q[1, 1:3].numpy()).all()
 
 
 def test_fast_exp():

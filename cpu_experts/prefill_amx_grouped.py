@@ -1,0 +1,269 @@
+"""Prefill of group-wise quantized experts (int4, and int8 with groups) on AMX: the grouped GEMM of
+`cpu_experts.prefill_amx`, with one scale per weight row per group of input columns.
+
+W8A8 with group scales: y[n, t] = x_scale[t] * sum_g w_scale[n, g] * (sum_{k in g} w_q[n, k] * x_q[t, k]). The
+integer sum of a group is exact in int32, so each group's tiles are zeroed, accumulated over the group's 64-column
+steps with `tdpbssd`, stored, and added to float accumulators with the row's group scale. The decode kernels
+(`kernels_vnni`) compute the same sums, so a token gets the same result on either path.
+
+Operands (see `prefill_amx` for the tile layouts):
+- A: the weight rows of a task unpacked to int8 in a per-thread scratch: int4 nibbles become `nibble - 8`; within
+  each 64-column step the 32 bytes' low nibbles (even columns) come first, then their high nibbles (odd columns),
+  so the unpacking is two contiguous vector loops and never interleaves.
+- B: the call's int8 activations with their columns permuted the same way within each 64-column step (a dot
+  product does not care about the order of its terms, as long as both sides agree), packed as in `prefill_amx`.
+  Grouped int8 weights are copied as they are and their activations are not permuted.
+
+Needs H, every partition's I and the group size to be multiples of 64 (`is_supported`).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from cpu_experts.kernels import silu_mul
+from cpu_experts.packed import PackedLayer
+from cpu_experts.prefill import Workspace
+from cpu_experts.prefill_amx import (
+    TILE_BYTES,
+    TILE_ROWS,
+    _block,
+    _ptr,
+    _tile_begin,
+    _tile_end,
+    pack_vnni,
+    replace_tiles,
+    tile_config,
+)
+from cpu_experts.prefill_int8 import COLUMN_TILE, quantize_rows
+
+FLAGS = dict(parallel=True, fastmath=True, nogil=True, cache=True)
+HALF_STEP = TILE_BYTES // 2  # packed int4 bytes per 64-column step
+
+
+def is_supported(layer: PackedLayer) -> bool:
+    spec = layer.spec
+    return (spec.dtype in ("int4", "int8") and spec.group_size > 0 and spec.group_size % TILE_BYTES == 0
+            and spec.hidden_size % TILE_BYTES == 0 and all(p.size % TILE_BYTES == 0 for p in layer.partitions))
+
+
+@intrinsic
+def _unpack_int4(typingctx, src, src_off, dst, dst_off, num_steps):
+    """For each of num_steps 64-column steps: dst[64 s:64 s + 32] = low nibbles - 8 and dst[64 s + 32:64 s + 64] =
+    high nibbles - 8 of src[32 s:32 s + 32] (byte offsets). Written as vector IR: numba widens the integer
+    operations of the equivalent loop to int64 and it ran at about a byte per ns, slower than the GEMM it feeds."""
+    def codegen(context, builder, sig, args):
+        i8 = ir.IntType(8)
+        vec = ir.VectorType(i8, HALF_STEP)
+        src_p = _ptr(context, builder, sig.args[0], args[0], args[1])
+        dst_p = _ptr(context, builder, sig.args[2], args[2], args[3])
+        low, eight, four = (ir.Constant(vec, [v] * HALF_STEP) for v in (15, 8, 4))
+        with cgutils.for_range(builder, args[4]) as loop:
+            at = builder.mul(loop.index, ir.Constant(loop.index.type, HALF_STEP))
+            v = builder.load(builder.bitcast(builder.gep(src_p, [at]), vec.as_pointer()), align=1)
+            out = builder.gep(dst_p, [builder.add(at, at)])
+            lo = builder.sub(builder.and_(v, low), eight)
+            hi = builder.sub(builder.lshr(v, four), eight)
+            builder.store(lo, builder.bitcast(out, vec.as_pointer()), align=1)
+            high = builder.gep(out, [ir.Constant(loop.index.type, HALF_STEP)])
+            builder.store(hi, builder.bitcast(high, vec.as_pointer()), align=1)
+        return context.get_dummy_value()
+    return types.void(src, src_off, dst, dst_off, num_steps), codegen
+
+
+@njit(fastmath=True, cache=True)
+def unpack_rows(w, e, r0, num_rows, is_int4, out):
+    """out[r * K:(r + 1) * K] = row r0 + r of expert e as int8 in the A order (module docstring); w is [E, N, K]
+    int8, or [E, N, K / 2] packed int4."""
+    num_bytes = w.shape[2]
+    cols = 2 * num_bytes if is_int4 else num_bytes
+    for r in range(num_rows):
+        src = (e * w.shape[1] + r0 + r) * num_bytes
+        if is_int4:
+            _unpack_int4(w, src, out, r * cols, cols // TILE_BYTES)
+        else:
+            out[r * cols:(r + 1) * cols] = w[e, r0 + r]
+
+
+def permute_columns(q: np.ndarray) -> np.ndarray:
+    """int8 [R, K] -> [R, K] with each 64-column step's even columns first, then its odd ones (the A order of
+    unpacked int4 rows)."""
+    rows, cols = q.shape
+    steps = q.reshape(rows, cols // TILE_BYTES, HALF_STEP, 2)  # [R, K / 64, 32, (even, odd)]
+    return np.ascontiguousarray(steps.transpose(0, 1, 3, 2)).reshape(rows, cols)
+
+
+@njit(**FLAGS)
+def gate_up_grouped(cfg, gate, up, gate_s, up_s, experts, offsets, pair_token, col_offsets, x_v, x_scale, group,
+                    is_int4, scratch, act):
+    """act[p, i] = silu(gate[e, i] . x) * (up[e, i] . x) for every pair p of expert e; tasks are (expert, 16 rows
+    of I); `scratch` [threads, 2 * 16 * H] int8 holds each task's unpacked gate and up rows."""
+    rows, hidden = gate.shape[1], scratch.shape[1] // (2 * TILE_ROWS)
+    num_rb, steps = rows // TILE_ROWS, group // TILE_BYTES
+    num_groups = -(-hidden // group)
+    for task in prange(experts.shape[0] * num_rb):
+        u, rb = task // num_rb, task % num_rb
+        e, p0, m = experts[u], offsets[u], offsets[u + 1] - offsets[u]
+        num_ct = (col_offsets[u + 1] - col_offsets[u]) // TILE_ROWS
+        a = scratch[numba.get_thread_id()]
+        a_gate, a_up = a[:TILE_ROWS * hidden], a[TILE_ROWS * hidden:]
+        unpack_rows(gate, e, rb * TILE_ROWS, TILE_ROWS, is_int4, a_gate)
+        unpack_rows(up, e, rb * TILE_ROWS, TILE_ROWS, is_int4, a_up)
+        c = np.empty(4 * TILE_ROWS * TILE_ROWS, dtype=np.int32)
+        acc = np.empty(4 * TILE_ROWS * TILE_ROWS, dtype=np.float32)
+        b_step = num_ct * TILE_ROWS * TILE_BYTES
+        _tile_begin(cfg)
+        for ct in range(0, num_ct, 2):
+            num_b = min(2, num_ct - ct)
+            b_off = hidden * col_offsets[u] + ct * TILE_ROWS * TILE_BYTES
+            acc[:] = 0
+            for g in range(num_groups):
+                num_k = min(steps, (hidden - g * group) // TILE_BYTES)
+                _block(a_gate, g * group, a_up, g * group, hidden, x_v, b_off + g * steps * b_step, b_step, num_k,
+                       num_b, False, c)
+                _scale_add_pair(c, acc, num_b, gate_s, up_s, e, rb * TILE_ROWS, g)
+            _act_from_acc(acc, min(num_b * TILE_ROWS, m - ct * TILE_ROWS), p0 + ct * TILE_ROWS, rb * TILE_ROWS,
+                          pair_token, x_scale, act)
+        _tile_end()
+
+
+@njit(fastmath=True, cache=True)
+def _scale_add_pair(c, acc, num_b, gate_s, up_s, e, row0, g):
+    """acc += C, gate tiles (A0) scaled by gate's group scales, up tiles (A1) by up's."""
+    for t in range(2 * num_b):
+        scales = gate_s if t % 2 == 0 else up_s
+        base = t * TILE_ROWS * TILE_ROWS
+        for r in range(TILE_ROWS):
+            s = scales[e, row0 + r, g]
+            at = base + r * TILE_ROWS
+            for col in range(TILE_ROWS):
+                acc[at + col] += np.float32(c[at + col]) * s
+
+
+@njit(fastmath=True, cache=True)
+def _act_from_acc(acc, num_cols, p_first, i0, pair_token, x_scale, act):
+    for j in range(num_cols):
+        p = p_first + j
+        xs = x_scale[pair_token[p]]
+        at = (j // TILE_ROWS) * 512 + j % TILE_ROWS
+        for r in range(TILE_ROWS):
+            act[p, i0 + r] = silu_mul(acc[at + r * TILE_ROWS] * xs, acc[at + 256 + r * TILE_ROWS] * xs)
+
+
+@njit(**FLAGS)
+def down_grouped(cfg, down, down_s, experts, offsets, pair_token, pair_weight, col_offsets, a_v, a_scale, group,
+                 is_int4, task_rows, scratch, out):
+    """out[t, h] += w * (down[e, h] . act) for every pair; tasks own `task_rows` rows of H across all experts (no
+    two threads write one element of `out`); `scratch` [threads, 32 * Ip] int8 holds 32 unpacked rows."""
+    hidden, rows = down.shape[1], scratch.shape[1] // (2 * TILE_ROWS)
+    steps = group // TILE_BYTES
+    num_groups = -(-rows // group)
+    for task in prange(-(-hidden // task_rows)):
+        a = scratch[numba.get_thread_id()]
+        c = np.empty(4 * TILE_ROWS * TILE_ROWS, dtype=np.int32)
+        acc = np.empty(4 * TILE_ROWS * TILE_ROWS, dtype=np.float32)
+        _tile_begin(cfg)
+        for u in range(experts.shape[0]):
+            e, p0, m = experts[u], offsets[u], offsets[u + 1] - offsets[u]
+            num_ct = (col_offsets[u + 1] - col_offsets[u]) // TILE_ROWS
+            b_step = num_ct * TILE_ROWS * TILE_BYTES
+            for h0 in range(task * task_rows, min(hidden, (task + 1) * task_rows), 2 * TILE_ROWS):
+                unpack_rows(down, e, h0, 2 * TILE_ROWS, is_int4, a)
+                for ct in range(0, num_ct, 2):
+                    num_b = min(2, num_ct - ct)
+                    b_off = rows * col_offsets[u] + ct * TILE_ROWS * TILE_BYTES
+                    acc[:] = 0
+                    for g in range(num_groups):
+                        num_k = min(steps, (rows - g * group) // TILE_BYTES)
+                        _block(a, g * group, a, TILE_ROWS * rows + g * group, rows, a_v, b_off + g * steps * b_step,
+                               b_step, num_k, num_b, False, c)
+                        _scale_add_rows(c, acc, num_b, down_s, e, h0, g)
+                    _down_from_acc(acc, min(num_b * TILE_ROWS, m - ct * TILE_ROWS), p0 + ct * TILE_ROWS, h0,
+                                   pair_token, pair_weight, a_scale, out)
+        _tile_end()
+
+
+@njit(fastmath=True, cache=True)
+def _scale_add_rows(c, acc, num_b, down_s, e, h0, g):
+    """acc += C with the group scales of rows h0.. (A0: rows h0..h0 + 15, A1: h0 + 16..h0 + 31)."""
+    for t in range(2 * num_b):
+        first = h0 + (t % 2) * TILE_ROWS
+        base = t * TILE_ROWS * TILE_ROWS
+        for r in range(TILE_ROWS):
+            s = down_s[e, first + r, g]
+            at = base + r * TILE_ROWS
+            for col in range(TILE_ROWS):
+                acc[at + col] += np.float32(c[at + col]) * s
+
+
+@njit(fastmath=True, cache=True)
+def _down_from_acc(acc, num_cols, p_first, h0, pair_token, pair_weight, a_scale, out):
+    for j in range(num_cols):
+        p = p_first + j
+        o = out[pair_token[p]]
+        coef = pair_weight[p] * a_scale[p]
+        at = (j // TILE_ROWS) * 512 + j % TILE_ROWS
+        for r in range(2 * TILE_ROWS):  # A0 then A1: rows h0 .. h0 + 31
+            o[h0 + r] += coef * acc[at + r * TILE_ROWS]
+
+
+def reference_kernels():
+    """(gate_up_grouped, down_grouped) with the tile instructions replaced by their plain-numba reference:
+    unpacking, permutation, group scaling and epilogues of this module, testable on any CPU."""
+    return replace_tiles(gate_up_grouped), replace_tiles(down_grouped)
+
+
+class GroupedAmxPrefill:
+    """The W8A8 prefill of the module docstring over a `Workspace`; `kernels` (tests): see `reference_kernels`."""
+
+    def __init__(self, layer: PackedLayer, workspace: Workspace, kernels=None):
+        if not is_supported(layer):
+            raise ValueError("GroupedAmxPrefill needs int4 or grouped int8 experts with H, each partition's I and "
+                             f"the group size multiples of {TILE_BYTES}")
+        self.layer = layer
+        self.spec = layer.spec
+        self.is_int4 = self.spec.dtype == "int4"
+        self.ws = workspace
+        self.cfg = tile_config()
+        self.gate_up, self.down = kernels or (gate_up_grouped, down_grouped)
+
+    def _packed(self, q: np.ndarray, name: str, cols: int, src_rows, r, col_offsets) -> np.ndarray:
+        """int8 rows -> their B operand (`prefill_amx.pack_vnni`), columns permuted for int4 weights."""
+        if self.is_int4:
+            q = permute_columns(q)
+        packed = self.ws.array(name, (cols // 4 * int(col_offsets[-1]),), np.int32)
+        pack_vnni(q.view(np.int32), src_rows, r.offsets, col_offsets, packed)
+        return packed.view(np.int8)
+
+    def __call__(self, x: np.ndarray, routing) -> np.ndarray:
+        ws, r, group = self.ws, routing, self.spec.group_size
+        num_tokens, hidden = x.shape
+        num_pairs = len(r.pair_token)
+        col_offsets = np.zeros(len(r.experts) + 1, dtype=np.int64)
+        np.cumsum(-(-np.diff(r.offsets) // COLUMN_TILE) * COLUMN_TILE, out=col_offsets[1:])
+        x_q = ws.array("x_q", x.shape, np.int8)
+        x_scale = np.empty(num_tokens, dtype=np.float32)
+        quantize_rows(x, x_q, x_scale)
+        x_v = self._packed(x_q, "x_v", hidden, r.pair_token, r, col_offsets)
+        pair_rows = np.arange(num_pairs, dtype=np.int64)
+        num_threads = numba.get_num_threads()
+        task_rows = 2 * TILE_ROWS * -(-(hidden // (2 * TILE_ROWS)) // num_threads)  # one down task per thread
+        a_scale = np.empty(num_pairs, dtype=np.float32)
+        out = np.zeros(x.shape, dtype=np.float32)
+        for part in self.layer.partitions:
+            act = ws.array("act", (num_pairs, part.size), np.float32)
+            scratch = ws.array("a_gate_up", (num_threads, 2 * TILE_ROWS * hidden), np.int8)
+            self.gate_up(self.cfg, part.gate, part.up, part.gate_scales, part.up_scales, r.experts, r.offsets,
+                         r.pair_token, col_offsets, x_v, x_scale, group, self.is_int4, scratch, act)
+            a_q = ws.array("a_q", act.shape, np.int8)
+            quantize_rows(act, a_q, a_scale)
+            a_v = self._packed(a_q, "a_v", part.size, pair_rows, r, col_offsets)
+            scratch = ws.array("a_down", (num_threads, 2 * TILE_ROWS * part.size), np.int8)
+            self.down(self.cfg, part.down, part.down_scales, r.experts, r.offsets, r.pair_token, r.pair_weight,
+                      col_offsets, a_v, a_scale, group, self.is_int4, task_rows, scratch, out)
+        return out
