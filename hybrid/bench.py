@@ -1,8 +1,7 @@
 """`hybrid-bench BENCHMARK [options]`: the project's benchmarks, one subcommand each.
 
 Each benchmark lives beside the code it measures and is imported only when run (`convert` measures the converter,
-which depends on this package, not the other way round). kernels, decode and prefill arrive with the kernels
-and engine work.
+which depends on this package, not the other way round). decode and prefill arrive with the engine work.
 """
 
 from __future__ import annotations
@@ -13,6 +12,7 @@ import sys
 BENCHMARKS = {
     "convert": ("convert.bench", "hybrid-convert throughput and peak memory on a synthetic checkpoint"),
     "cpu-moe": ("cpu_experts.bench", "CPU MoE operator: GB/s and TFLOP/s against the measured limits"),
+    "kernels": ("gpu_layers.bench", "GPU kernels: GB/s and TFLOP/s against the measured HBM and matmul limits"),
 }
 
 

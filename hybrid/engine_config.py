@@ -9,6 +9,7 @@ import torch
 from hybrid.errors import ConfigError
 
 EXPERT_ACTIVATIONS = ("int8", "float")
+KERNELS = ("auto", "triton", "torch")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -22,6 +23,9 @@ class EngineConfig:
     # int8 CPU experts: "int8" rounds each activation row to int8 (W8A8: VNNI/AMX-INT8 prefill, what llama.cpp and
     # KTransformers do); "float" keeps activations in float, exact to the converted weights, prefill slower
     expert_activations: str = "int8"
+    # dense layers and attention: "auto" runs gpu_layers' Triton kernels on CUDA and the PyTorch references
+    # elsewhere; "torch" keeps the references on CUDA too; "triton" forces the kernels
+    kernels: str = "auto"
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -33,6 +37,8 @@ class EngineConfig:
         if self.expert_activations not in EXPERT_ACTIVATIONS:
             raise ConfigError(f"expert_activations '{self.expert_activations}' is not one of "
                               f"{', '.join(EXPERT_ACTIVATIONS)}")
+        if self.kernels not in KERNELS:
+            raise ConfigError(f"kernels '{self.kernels}' is not one of {', '.join(KERNELS)}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
         try:

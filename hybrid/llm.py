@@ -16,6 +16,7 @@ from hybrid.engine_config import EngineConfig
 from hybrid.forward_batch import ForwardBatch, SequenceSlice
 from hybrid.kv_cache import allocate_kv_cache
 from hybrid.layers.backends import Backends
+from hybrid.layers.mlp import GatedMLP
 from hybrid.loader import load_weights
 from hybrid.models import load_model_config
 from hybrid.models.base import MoECausalLM
@@ -43,20 +44,24 @@ def build_model(cls: type[MoECausalLM], config, engine: EngineConfig, backends: 
 class LLM:
     def __init__(self, path: str | Path, device: str = "cpu", dtype: str = "bfloat16",
                  max_model_len: int | None = None, block_size: int = 16, numa_partitions: int | None = None,
-                 expert_activations: str = "int8"):
+                 expert_activations: str = "int8", kernels: str = "auto"):
         self.engine_config = EngineConfig(device=device, dtype=dtype, max_model_len=max_model_len,
                                           block_size=block_size, numa_partitions=numa_partitions,
-                                          expert_activations=expert_activations)
+                                          expert_activations=expert_activations, kernels=kernels)
         cls, self.config = load_model_config(path)
         # Placement, decided once: a converted directory's routed experts run on the CPU operator; a plain
         # checkpoint's run through the PyTorch reference on the engine's device.
         is_converted = read_manifest(Path(path)) is not None
         int8_activations = expert_activations == "int8"
-        backends = Backends(make_experts=partial(cpu_experts_factory, int8_activations=int8_activations)
-                            ) if is_converted else None
+        make_experts = partial(cpu_experts_factory, int8_activations=int8_activations) if is_converted else None
+        backends = Backends.for_device(device, self.config, block_size, kernels,
+                                       **({"make_experts": make_experts} if make_experts else {}))
         self.model = build_model(cls, self.config, self.engine_config, backends)
         partitions = numa_partitions or len(discover_nodes())
         load_weights(self.model, path, partitions)
+        for module in self.model.modules():
+            if isinstance(module, GatedMLP):
+                module.fuse_gate_up()  # the kernels' [2I, H] layout, when the ops use it
         self.max_model_len = max_model_len or min(self.config.max_position_embeddings, 4096)
         num_blocks = blocks_needed(self.max_model_len, block_size)
         self.allocator = BlockAllocator(num_blocks)

@@ -22,8 +22,8 @@ class GQAAttention(nn.Module):
         self.v_proj = nn.Linear(hidden_size, kv_size, bias=cfg.has_qkv_bias)
         self.o_proj = nn.Linear(q_size, hidden_size, bias=cfg.has_o_bias)
         if cfg.has_qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, eps)
-            self.k_norm = RMSNorm(cfg.head_dim, eps)
+            self.q_norm = RMSNorm(cfg.head_dim, eps, rotary.ops)
+            self.k_norm = RMSNorm(cfg.head_dim, eps, rotary.ops)
         self.rotary = rotary
         self.backend = backend
         self.kv_cache: tuple[torch.Tensor, ...] = ()

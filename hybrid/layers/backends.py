@@ -1,6 +1,9 @@
-"""The narrow interfaces behind which kernels plug in, chosen once at start-up.
+"""The narrow interfaces behind which kernels plug in, chosen once at start-up (`Backends.for_device`).
 
-- An attention backend stores each step's new KV into the paged cache and attends over it.
+- An attention backend stores each step's new KV into the paged cache and attends over it: plain PyTorch
+  (`TorchAttentionBackend`, the CPU path and the oracle) or the Triton kernels of `gpu_layers`
+  (`TritonAttentionBackend`, on CUDA, where the model's head shapes are ones the kernels take).
+- The dense operations (norms, rotary, activation, routers) are one `DenseOps` table (`hybrid.layers.ops`).
 - An experts factory builds the routed-experts module of each MoE layer: anything with
   `forward(hidden [T, H], topk_ids [T, K], topk_weights [T, K]) -> [T, H]`. Which experts run where
   (GPU-resident or CPU) is decided by the factory from placement data, not inside the layers.
@@ -15,9 +18,10 @@ import torch
 from torch import nn
 
 from gpu_layers import reference
-from hybrid.config import ModelConfig
+from hybrid.config import AttentionConfig, ModelConfig
 from hybrid.forward_batch import ForwardBatch
 from hybrid.layers.moe import TorchExperts
+from hybrid.layers.ops import TORCH_OPS, DenseOps, dense_ops_for
 
 
 class TorchAttentionBackend:
@@ -61,6 +65,53 @@ class TorchAttentionBackend:
         )
 
 
+class TritonAttentionBackend:
+    """The paged-attention kernels of `gpu_layers`: the KV-cache write, then decode (split-K over the context) when
+    every sequence of the step has one new token, else prefill/extend (causal over the paged prefix)."""
+
+    name = "triton"
+
+    def __init__(self):
+        from gpu_layers import attention, kv_cache, mla
+
+        self.attention, self.kv_cache, self.mla_kernels = attention, kv_cache, mla
+
+    @staticmethod
+    def supports(cfg: AttentionConfig, block_size: int) -> bool:
+        from gpu_layers import attention, mla
+
+        if block_size & (block_size - 1):
+            return False
+        if cfg.kind == "mla":
+            dims = (cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank)
+            return all(mla._is_dot_dim(d) for d in dims)
+        return (cfg.head_dim == cfg.v_head_dim and cfg.head_dim in attention.SUPPORTED_HEAD_DIMS
+                and cfg.num_heads // cfg.num_kv_heads <= attention.MAX_GROUP)
+
+    def gqa(self, q, k, v, kv_cache, batch: ForwardBatch, scale: float, sliding_window: int | None) -> torch.Tensor:
+        k_cache, v_cache = kv_cache
+        self.kv_cache.write_kv_cache(k_cache, k, batch.slot_mapping)
+        self.kv_cache.write_kv_cache(v_cache, v, batch.slot_mapping)
+        if max(batch.query_lens_cpu) == 1:
+            return self.attention.paged_decode_attention(
+                q, k_cache, v_cache, batch.block_tables, batch.seq_lens, scale, sliding_window,
+                max_seq_len=max(batch.seq_lens_cpu))
+        return self.attention.paged_prefill_attention(
+            q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
+            max(batch.query_lens_cpu), scale, sliding_window)
+
+    def mla(self, q_nope, q_rope, latent, kv_cache, w_kv_b, batch: ForwardBatch, scale: float,
+            v_head_dim: int) -> torch.Tensor:
+        (latent_cache,) = kv_cache
+        self.kv_cache.write_kv_cache(latent_cache, latent.unsqueeze(1), batch.slot_mapping)
+        if max(batch.query_lens_cpu) == 1:
+            return self.mla_kernels.mla_decode(q_nope, q_rope, latent_cache, w_kv_b, batch.block_tables,
+                                               batch.seq_lens, scale, v_head_dim)
+        return self.mla_kernels.mla_prefill(
+            q_nope, q_rope, latent_cache, w_kv_b, batch.block_tables, batch.seq_lens, batch.query_start_loc,
+            max(batch.query_lens_cpu), scale, v_head_dim, num_context_tokens=sum(batch.seq_lens_cpu))
+
+
 ExpertsFactory = Callable[[int, ModelConfig], nn.Module]  # (layer_idx, config) -> routed-experts module
 
 
@@ -71,5 +122,16 @@ def default_experts_factory(layer_idx: int, config: ModelConfig) -> nn.Module:
 
 @dataclass(frozen=True)
 class Backends:
-    attention: TorchAttentionBackend = field(default_factory=TorchAttentionBackend)
+    attention: TorchAttentionBackend | TritonAttentionBackend = field(default_factory=TorchAttentionBackend)
     make_experts: ExpertsFactory = default_experts_factory
+    ops: DenseOps = TORCH_OPS
+
+    @classmethod
+    def for_device(cls, device: torch.device | str, config: ModelConfig, block_size: int, kernels: str = "auto",
+                   make_experts: ExpertsFactory = default_experts_factory) -> Backends:
+        """`kernels`: "auto" (the Triton kernels on CUDA, PyTorch elsewhere), "triton" or "torch"."""
+        ops = dense_ops_for(device, kernels)
+        attention = TorchAttentionBackend()
+        if ops is not TORCH_OPS and TritonAttentionBackend.supports(config.attention, block_size):
+            attention = TritonAttentionBackend()
+        return cls(attention=attention, make_experts=make_experts, ops=ops)

@@ -25,10 +25,10 @@ class MLAAttention(nn.Module):
             self.q_proj = nn.Linear(hidden_size, q_size, bias=False)
         else:
             self.q_a_proj = nn.Linear(hidden_size, cfg.q_lora_rank, bias=bias)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LORA_NORM_EPS)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LORA_NORM_EPS, rotary.ops)
             self.q_b_proj = nn.Linear(cfg.q_lora_rank, q_size, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(hidden_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=bias)
-        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, LORA_NORM_EPS)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, LORA_NORM_EPS, rotary.ops)
         kv_b_size = cfg.num_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, kv_b_size, bias=False)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.v_head_dim, hidden_size, bias=cfg.has_o_bias)

@@ -1,16 +1,34 @@
-"""SiLU-gated MLP: down(silu(gate(x)) * up(x)). Used for dense layers and shared experts."""
+"""SiLU-gated MLP: down(silu(gate(x)) * up(x)). Used for dense layers and shared experts.
+
+With the kernels' ops (`DenseOps.is_fused_gate_up`), `fuse_gate_up` (called once after loading) puts gate and up in
+one [2I, H] weight whose halves the two Linear weights then view, so one matmul feeds `silu_and_mul`."""
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybrid.layers.ops import TORCH_OPS, DenseOps
+
 
 class GatedMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    def __init__(self, hidden_size: int, intermediate_size: int, ops: DenseOps = TORCH_OPS):
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.ops = ops
+        self.gate_up_weight: torch.Tensor | None = None
+
+    def fuse_gate_up(self) -> None:
+        if not self.ops.is_fused_gate_up or self.gate_up_weight is not None:
+            return
+        fused = torch.cat((self.gate_proj.weight.data, self.up_proj.weight.data))  # [2I, H]
+        inter = self.gate_proj.weight.shape[0]
+        self.gate_proj.weight.data, self.up_proj.weight.data = fused[:inter], fused[inter:]
+        self.gate_up_weight = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_weight is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = F.linear(x, self.gate_up_weight)  # [T, 2I]
+        return self.down_proj(self.ops.silu_and_mul(gate_up))

@@ -7,18 +7,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from cpu_experts.reference import moe_reference
-from gpu_layers import reference
 from hybrid.config import MoEConfig
 from hybrid.layers.mlp import GatedMLP
+from hybrid.layers.ops import TORCH_OPS, DenseOps
 
 
 class Router(nn.Module):
     """Top-k expert choice per token. Parameter names follow the checkpoints (`gate.weight`,
     `gate.e_score_correction_bias`)."""
 
-    def __init__(self, hidden_size: int, moe: MoEConfig):
+    def __init__(self, hidden_size: int, moe: MoEConfig, ops: DenseOps = TORCH_OPS):
         super().__init__()
         self.moe = moe
+        self.ops = ops
         self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size))
         if moe.has_correction_bias:
             # Kept in float32 whatever the model dtype: it decides selection between close sigmoid scores.
@@ -41,9 +42,9 @@ class Router(nn.Module):
         else:
             logits = F.linear(x, self.weight)  # [T, E]
         if moe.scoring == "softmax" and moe.group_score == "none" and self.e_score_correction_bias is None:
-            weights, ids = reference.softmax_topk(logits, moe.top_k, moe.norm_topk_prob)
+            weights, ids = self.ops.softmax_topk(logits, moe.top_k, moe.norm_topk_prob)
             return weights * moe.routed_scaling_factor if moe.routed_scaling_factor != 1.0 else weights, ids
-        return reference.grouped_topk(
+        return self.ops.grouped_topk(
             logits.float(), self.e_score_correction_bias, moe.top_k, moe.num_groups, moe.topk_group,
             moe.scoring, moe.group_score, moe.norm_topk_prob, moe.routed_scaling_factor,
         )
@@ -77,13 +78,14 @@ class SparseMoE(nn.Module):
     """`shared_name` follows the checkpoint: `shared_experts` (DeepSeek, GLM) or `shared_expert` (Qwen2-MoE,
     which also has a sigmoid `shared_expert_gate`)."""
 
-    def __init__(self, hidden_size: int, moe: MoEConfig, experts: nn.Module, shared_name: str = "shared_experts"):
+    def __init__(self, hidden_size: int, moe: MoEConfig, experts: nn.Module, shared_name: str = "shared_experts",
+                 ops: DenseOps = TORCH_OPS):
         super().__init__()
-        self.gate = Router(hidden_size, moe)
+        self.gate = Router(hidden_size, moe, ops)
         self.experts = experts
         self.shared_name = shared_name if moe.shared_intermediate_size else None
         if self.shared_name:
-            setattr(self, shared_name, GatedMLP(hidden_size, moe.shared_intermediate_size))
+            setattr(self, shared_name, GatedMLP(hidden_size, moe.shared_intermediate_size, ops))
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if moe.has_shared_gate else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

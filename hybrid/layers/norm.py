@@ -1,21 +1,19 @@
-"""RMSNorm, computed in float32 and cast back, as the reference checkpoints were trained."""
+"""RMSNorm, computed in float32 and cast back, as the reference checkpoints were trained (`ops.rms_norm`)."""
 
 import torch
 from torch import nn
 
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
+from hybrid.layers.ops import TORCH_OPS, DenseOps
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, ops: DenseOps = TORCH_OPS):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        """x [..., D] (e.g. per-head QK norm on [T, heads, D]) -> same shape."""
+        rows = x.reshape(-1, x.shape[-1])  # [N, D]
+        return self.ops.rms_norm(rows, self.weight, self.eps).view(x.shape)

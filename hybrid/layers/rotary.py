@@ -1,7 +1,7 @@
 """Rotary position embedding: NeoX halves or DeepSeek interleaved pairs, partial rotary, linear and YaRN scaling.
 
-cos/sin are computed from the step's positions (no table to outgrow); the multiply-add order matches the
-reference implementation so float32 results agree to the last bits.
+cos/sin are computed from the step's positions (no table to outgrow) by `ops.rotary`; the multiply-add order
+matches the reference implementation so float32 results agree to the last bits.
 """
 
 import math
@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from hybrid.config import RopeConfig, yarn_mscale
+from hybrid.layers.ops import TORCH_OPS, DenseOps
 
 
 def rope_inv_freq(rope: RopeConfig) -> tuple[torch.Tensor, float]:
@@ -50,27 +51,11 @@ def _yarn_inv_freq(rope: RopeConfig, pos_freqs: torch.Tensor) -> tuple[torch.Ten
     return inv_freq, float(attention_factor)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_interleaved: bool) -> torch.Tensor:
-    """Rotates the leading cos.shape[-1] * 2 dims of x [T, heads, D]; cos/sin are [T, rotary_dim / 2].
-
-    Interleaved input pairs come out as halves (evens then odds); q and k get the same permutation, so their
-    dot products, and the attention, are unchanged.
-    """
-    rotary_dim = cos.shape[-1] * 2
-    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
-    cos, sin = cos.unsqueeze(-2).to(x.dtype), sin.unsqueeze(-2).to(x.dtype)  # [T, 1, rotary_dim / 2]
-    if is_interleaved:
-        x1, x2 = rot[..., 0::2], rot[..., 1::2]
-    else:
-        x1, x2 = rot[..., : rotary_dim // 2], rot[..., rotary_dim // 2 :]
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
-
-
 class RotaryEmbedding(nn.Module):
-    def __init__(self, rope: RopeConfig):
+    def __init__(self, rope: RopeConfig, ops: DenseOps = TORCH_OPS):
         super().__init__()
         self.rope = rope
+        self.ops = ops
         self.is_interleaved = rope.is_interleaved
         inv_freq, self.attention_factor = rope_inv_freq(rope)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
@@ -79,10 +64,6 @@ class RotaryEmbedding(nn.Module):
         """Recomputes the frequencies after the model was built on the meta device."""
         self.inv_freq = rope_inv_freq(self.rope)[0].to(self.inv_freq.device)
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[:, None].float() * self.inv_freq  # [T, rotary_dim / 2]
-        return freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
-
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos_sin(positions)
-        return apply_rotary(q, cos, sin, self.is_interleaved), apply_rotary(k, cos, sin, self.is_interleaved)
+        """q [T, Hq, D], k [T, Hk, D] -> rotated (see `ops.apply_rotary` for the interleaved convention)."""
+        return self.ops.rotary(positions, q, k, self.inv_freq, self.attention_factor, self.is_interleaved)

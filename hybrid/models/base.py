@@ -20,17 +20,18 @@ from hybrid.layers.mla import MLAAttention
 from hybrid.layers.mlp import GatedMLP
 from hybrid.layers.moe import SparseMoE
 from hybrid.layers.norm import RMSNorm
+from hybrid.layers.ops import DenseOps
 from hybrid.layers.rotary import RotaryEmbedding
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, attn: nn.Module, ff: nn.Module, ff_name: str, hidden_size: int, eps: float):
+    def __init__(self, attn: nn.Module, ff: nn.Module, ff_name: str, hidden_size: int, eps: float, ops: DenseOps):
         super().__init__()
         self.self_attn = attn
         self.ff_name = ff_name
         setattr(self, ff_name, ff)
-        self.input_layernorm = RMSNorm(hidden_size, eps)
-        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+        self.input_layernorm = RMSNorm(hidden_size, eps, ops)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps, ops)
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), batch)
@@ -51,7 +52,7 @@ class MoECausalLM(nn.Module):
         self.config = config
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        rotary = RotaryEmbedding(config.rope)
+        rotary = RotaryEmbedding(config.rope, backends.ops)
         self.model.layers = nn.ModuleList(
             DecoderLayer(
                 self._make_attention(rotary, backends),
@@ -59,10 +60,11 @@ class MoECausalLM(nn.Module):
                 self.ff_name,
                 config.hidden_size,
                 config.rms_norm_eps,
+                backends.ops,
             )
             for i in range(config.num_layers)
         )
-        self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backends.ops)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -80,9 +82,9 @@ class MoECausalLM(nn.Module):
     def _make_ff(self, layer_idx: int, backends: Backends) -> nn.Module:
         cfg = self.config
         if not cfg.moe_layers[layer_idx]:
-            return GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+            return GatedMLP(cfg.hidden_size, cfg.intermediate_size, backends.ops)
         experts = backends.make_experts(layer_idx, cfg)
-        return SparseMoE(cfg.hidden_size, cfg.moe, experts, self.shared_expert_name)
+        return SparseMoE(cfg.hidden_size, cfg.moe, experts, self.shared_expert_name, backends.ops)
 
     # --- checkpoint contract (used by hybrid.loader) ---
 

@@ -1,0 +1,581 @@
+"""Paged GQA attention kernels: split-K decode and causal prefill/extend over a paged KV cache.
+
+Data flow (the new tokens' K/V are already written to the cache, so everything is read from it):
+  k_cache, v_cache [num_blocks, P, Hkv, D]   pages of P slots (P a power of two), bf16 / fp16 / fp32
+  block_tables [B, max_blocks] int32          sequence b's position n lives in page block_tables[b, n // P]
+  seq_lens [B] int32                          context length of each sequence, new tokens included
+  decode:  q [B, Hq, D]  -> out [B, Hq, D]    one new token per sequence (position seq_lens[b] - 1)
+  prefill: q [T, Hq, D]  -> out [T, Hq, D]    sequence b owns tokens query_start_loc[b]:query_start_loc[b + 1],
+                                              its last query_len positions, attending causally to all its context
+Hq = G * Hkv with a GQA group G of 1..16. A sliding window W keeps keys k with p - W < k <= p for query position p.
+
+Why it is built this way:
+- GQA packing: one program serves all G query heads of one KV head (G rows of the M side of the dot, padded to
+  16), so each K/V tile is loaded once per group; decode then reads every KV byte exactly once and is bound by
+  HBM bandwidth alone.
+- Split-K decode ("flash decoding"): batch * Hkv programs cannot fill a GPU at small batch, so each sequence's
+  context is cut into `num_splits` partitions of whole BLOCK_N tiles, each program writes a partial
+  (max, sum, unnormalised acc) in fp32, and a small kernel combines them. The host picks `num_splits` from the
+  shapes and the declared maximum context only, never from seq_lens, so launches are CUDA-graph safe;
+  partitions past a sequence's end simply write an empty partial (max -inf, sum 0) that the combine ignores.
+- Keys are gathered one row at a time through the block table (page = n >> page_shift), so any power-of-two page
+  size works with any BLOCK_N; each row is a contiguous D-vector, so loads stay 16-byte wide.
+- Softmax runs in base 2 (scale * log2 e folded into the scores); fully masked rows are guarded so that they give
+  zeros, not NaN. fp32 caches use exact ("ieee") dots so they can serve as a precise test path.
+- Head dims 64/96/128/192/256: non-powers of two are padded to the next power of two and masked.
+- GQA group, page size and sliding window are run-time ints, so one compiled kernel serves them all and the gate
+  cases (one per kernel, dtype and head dim, per capability) cover everything the launchers can select.
+- Configs were chosen on an H200 (decode at batch 8-64 and 8K-32K contexts runs at 86-99% of the copy bandwidth)
+  and, for 89/120, by compiling offline: 64-key tiles keep two programs per SM inside 99 KiB of shared memory.
+The plain-PyTorch oracle and CPU path is gpu_layers.reference.paged_attention.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from gpu_layers.capability import GateCase, capability_of, select
+
+SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
+SUPPORTED_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+MAX_GROUP = 16
+GROUP_PAD = tl.constexpr(16)  # the M side of the decode dot: tensor-core dots need at least 16 rows
+SPLIT_BLOCK = 16  # partials combined per step of the reduce kernel
+MAX_SPLITS = 256
+PROGRAMS_PER_SM = 2  # decode programs wanted per multiprocessor over the whole grid
+MIN_TILES_PER_SPLIT = 2  # below this a partition costs more in partials and combining than it saves
+LOG2E = 1.4426950408889634
+
+# Configs are keyed by (head dim padded to a power of two, bytes per element). fp32 is the exact test and
+# debugging path: its "ieee" dots run on the FMA units with operands in registers, so it takes small tiles and one
+# stage (the warp counts are whatever ptxas compiles without a spill on each target).
+# Decode: (BLOCK_N, num_warps, num_stages). K and V tiles are gathered with 16-byte cp.async into shared memory.
+_DECODE_FP32 = {(64, 4): (32, 4, 1), (128, 4): (16, 4, 1), (256, 4): (16, 4, 1)}
+DECODE_CONFIGS = {
+    89: {(64, 2): (64, 4, 3), (128, 2): (64, 4, 3), (256, 2): (32, 4, 3), **_DECODE_FP32},
+    90: {(64, 2): (128, 4, 3), (128, 2): (128, 4, 3), (256, 2): (64, 8, 3), **_DECODE_FP32},
+    120: {(64, 2): (64, 4, 3), (128, 2): (64, 4, 3), (256, 2): (32, 4, 3), **_DECODE_FP32},
+}
+# Prefill: (BLOCK_M, BLOCK_N, num_warps, num_stages). 99 KiB parts (89, 120) keep D=256 at 64 x 32 tiles.
+PREFILL_CONFIGS = {
+    89: {(64, 2): (128, 64, 8, 2), (128, 2): (128, 64, 8, 2), (256, 2): (64, 32, 8, 2),
+         (64, 4): (32, 16, 4, 1), (128, 4): (16, 16, 8, 1), (256, 4): (16, 16, 8, 1)},
+    90: {(64, 2): (128, 128, 8, 2), (128, 2): (128, 128, 8, 2), (256, 2): (64, 64, 8, 3),
+         (64, 4): (32, 16, 4, 1), (128, 4): (16, 16, 8, 1), (256, 4): (16, 16, 8, 1)},
+    120: {(64, 2): (128, 64, 8, 2), (128, 2): (128, 64, 8, 2), (256, 2): (64, 32, 8, 2),
+          (64, 4): (32, 16, 4, 1), (128, 4): (16, 16, 4, 1), (256, 4): (16, 16, 8, 1)},
+}
+REDUCE_CONFIG = (4, 1)  # (num_warps, num_stages): a tiny memory-bound combine, the same everywhere
+
+
+@triton.jit
+def _load_kv_tile(cache_ptr, block_table_row, offs_n, n_mask, kv_head, page_shift, stride_p, stride_s, stride_h,
+                  HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+    """[BLOCK_N, D_PAD] rows of one KV head at positions offs_n, gathered through the block table."""
+    pages = tl.load(block_table_row + (offs_n >> page_shift), mask=n_mask, other=0)
+    slots = offs_n & ((1 << page_shift) - 1)
+    # Row offsets are multiples of 16 elements (the launchers check the strides), so the compiler emits 16-byte
+    # loads and cp.async copies; without the hint the offline gate would compile a different, scalar kernel.
+    rows = tl.multiple_of(pages.to(tl.int64) * stride_p + slots * stride_s + kv_head * stride_h, [16])
+    offs_d = tl.arange(0, D_PAD)
+    mask = n_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
+    return tl.load(cache_ptr + rows[:, None] + offs_d[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _softmax_step(q, k, v, score_mask, acc, m_i, l_i, scale_log2, DOT_PRECISION: tl.constexpr):
+    """One online-softmax update of (acc, running max, running sum) with a K/V tile; masked scores count as -inf."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+    s = tl.where(score_mask, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet stays at zero
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def paged_decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    partial_acc_ptr, partial_max_ptr, partial_sum_ptr,
+    scale_log2, sliding_window, group, num_splits, page_shift,
+    stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_bt,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Program (b, kv head, split): the G query heads of one KV head over one partition of sequence b's context.
+    Writes partials [B, Hq, S, D] (acc, not normalised), [B, Hq, S] (max, base 2) and [B, Hq, S] (sum)."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_q_heads = tl.num_programs(1) * group
+
+    # The visible keys [first, seq_len) in whole tiles, dealt out evenly to the splits.
+    seq_len = tl.load(seq_lens_ptr + seq)
+    first = 0
+    if sliding_window > 0:
+        first = tl.maximum(seq_len - sliding_window, 0)
+    first_tile = first // BLOCK_N
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N) - first_tile, num_splits)
+    lo = (first_tile + split * tiles_per_split) * BLOCK_N
+    hi = tl.minimum(lo + tiles_per_split * BLOCK_N, seq_len)
+
+    rows = tl.arange(0, GROUP_PAD)
+    heads = kv_head * group + rows
+    row_mask = rows < group
+    offs_d = tl.arange(0, D_PAD)
+    q_ptrs = q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=row_mask[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+
+    acc = tl.zeros([GROUP_PAD, D_PAD], dtype=tl.float32)
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    block_table_row = block_tables_ptr + seq * stride_bt
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_mask = (offs_n < hi) & (offs_n >= first)
+        k = _load_kv_tile(k_cache_ptr, block_table_row, offs_n, n_mask, kv_head, page_shift,
+                          stride_kp, stride_ks, stride_kh, HEAD_DIM, D_PAD)
+        v = _load_kv_tile(v_cache_ptr, block_table_row, offs_n, n_mask, kv_head, page_shift,
+                          stride_vp, stride_vs, stride_vh, HEAD_DIM, D_PAD)
+        acc, m_i, l_i = _softmax_step(q, k, v, n_mask[None, :], acc, m_i, l_i, scale_log2, DOT_PRECISION)
+
+    partial = (seq * num_q_heads + heads) * num_splits + split  # [GROUP_PAD] index into [B, Hq, S]
+    tl.store(partial_max_ptr + partial, m_i, mask=row_mask)
+    tl.store(partial_sum_ptr + partial, l_i, mask=row_mask)
+    acc_ptrs = partial_acc_ptr + partial[:, None] * HEAD_DIM + offs_d[None, :]
+    tl.store(acc_ptrs, acc, mask=row_mask[:, None] & (offs_d[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def paged_decode_reduce_kernel(
+    partial_acc_ptr, partial_max_ptr, partial_sum_ptr, out_ptr, num_splits, stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
+):
+    """Program (b, q head): combines the S partials of one head into out[b, head] (online over SPLIT_BLOCK)."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    base = (seq * tl.num_programs(1) + head) * num_splits
+    offs_d = tl.arange(0, D_PAD)
+    d_mask = offs_d < HEAD_DIM
+
+    acc = tl.zeros([D_PAD], dtype=tl.float32)
+    m_run = float("-inf")
+    l_run = 0.0
+    for s0 in range(0, num_splits, SPLIT_BLOCK):
+        offs_s = s0 + tl.arange(0, SPLIT_BLOCK)
+        s_mask = offs_s < num_splits
+        part_max = tl.load(partial_max_ptr + base + offs_s, mask=s_mask, other=float("-inf"))
+        part_sum = tl.load(partial_sum_ptr + base + offs_s, mask=s_mask, other=0.0)
+        acc_ptrs = partial_acc_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :]
+        part_acc = tl.load(acc_ptrs, mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+        m_new = tl.maximum(m_run, tl.max(part_max, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # empty partials have max -inf and weight 0
+        alpha = tl.exp2(m_run - m_safe)
+        weight = tl.exp2(part_max - m_safe)
+        l_run = l_run * alpha + tl.sum(weight * part_sum, 0)
+        acc = acc * alpha + tl.sum(weight[:, None] * part_acc, 0)
+        m_run = m_new
+    out = acc / tl.where(l_run > 0.0, l_run, 1.0)
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+@triton.jit
+def _prefill_keys(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_row, kv_head, lo, hi, pos, lower,
+                  scale_log2, page_shift, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                  HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, IS_MASKED: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr):
+    """Keys [lo, hi) in BLOCK_N tiles. IS_MASKED applies the causal/window mask per (row, key); the unmasked
+    loop covers keys that every row of the tile sees, and skips that work."""
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < hi
+        k = _load_kv_tile(k_cache_ptr, block_table_row, offs_n, n_mask, kv_head, page_shift,
+                          stride_kp, stride_ks, stride_kh, HEAD_DIM, D_PAD)
+        v = _load_kv_tile(v_cache_ptr, block_table_row, offs_n, n_mask, kv_head, page_shift,
+                          stride_vp, stride_vs, stride_vh, HEAD_DIM, D_PAD)
+        if IS_MASKED:
+            score_mask = (offs_n[None, :] <= pos[:, None]) & (offs_n[None, :] > lower[:, None])
+        else:
+            score_mask = True
+        acc, m_i, l_i = _softmax_step(q, k, v, score_mask, acc, m_i, l_i, scale_log2, DOT_PRECISION)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def paged_prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    scale_log2, sliding_window, group, page_shift,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_bt,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Program (query tile, b, kv head): BLOCK_M rows = BLOCK_M // G consecutive new tokens of sequence b times
+    the G query heads of one KV head, attending causally over b's whole paged context."""
+    tile = tl.program_id(0)
+    seq = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    tokens_per_tile = BLOCK_M // group
+    first_token = tile * tokens_per_tile
+    if first_token >= q_len:  # the grid is sized for the longest query of the batch
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+
+    rows = tl.arange(0, BLOCK_M)
+    tokens = first_token + rows // group
+    heads = kv_head * group + rows % group
+    # Rows past tokens_per_tile * G (when G does not divide BLOCK_M) would alias the next tile's first token.
+    row_mask = (rows < tokens_per_tile * group) & (tokens < q_len)
+    pos = seq_len - q_len + tokens  # absolute position of each row's token
+    lower = tl.where(sliding_window > 0, pos - sliding_window, -1)  # keys must be > lower
+    offs_d = tl.arange(0, D_PAD)
+    d_mask = offs_d[None, :] < HEAD_DIM
+    q_rows = tl.multiple_of((q_start + tokens).to(tl.int64) * stride_qt + heads * stride_qh, [16])
+    q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_mask[:, None] & d_mask, other=0.0)
+
+    # Keys [lo, mid) are visible to every row (no mask needed); [mid, hi) holds the causal diagonal and the
+    # window's edge. A window makes every tile masked (rare: Mixtral-like models).
+    first_pos = seq_len - q_len + first_token
+    hi = seq_len - q_len + tl.minimum(first_token + tokens_per_tile, q_len)
+    lo = 0
+    mid = (first_pos + 1) // BLOCK_N * BLOCK_N
+    if sliding_window > 0:
+        lo = tl.maximum(first_pos - sliding_window + 1, 0) // BLOCK_N * BLOCK_N
+        mid = lo
+
+    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    block_table_row = block_tables_ptr + seq * stride_bt
+    acc, m_i, l_i = _prefill_keys(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_row, kv_head, lo, mid,
+                                  pos, lower, scale_log2, page_shift, stride_kp, stride_ks, stride_kh,
+                                  stride_vp, stride_vs, stride_vh, HEAD_DIM, D_PAD, BLOCK_N, False, DOT_PRECISION)
+    acc, m_i, l_i = _prefill_keys(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_row, kv_head, mid, hi,
+                                  pos, lower, scale_log2, page_shift, stride_kp, stride_ks, stride_kh,
+                                  stride_vp, stride_vs, stride_vh, HEAD_DIM, D_PAD, BLOCK_N, True, DOT_PRECISION)
+
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    o_rows = tl.multiple_of((q_start + tokens).to(tl.int64) * stride_ot + heads * stride_oh, [16])
+    tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=row_mask[:, None] & d_mask)
+
+
+# ----------------------------------------------------------------------------------------------- host side
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def _padded(head_dim: int) -> int:
+    return triton.next_power_of_2(head_dim)
+
+
+@functools.cache
+def _capability(device: torch.device) -> int:
+    # The interpreter (CPU tensors) takes SM120's table: the smallest tiles, the quickest to interpret.
+    return capability_of(device) if device.type == "cuda" else 120
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # only fp32 operands read it: exact fp32 dots
+
+
+def _config_key(head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
+    return _padded(head_dim), dtype.itemsize
+
+
+def decode_config(capability: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of the decode kernel."""
+    return select(DECODE_CONFIGS, capability)[_config_key(head_dim, dtype)]
+
+
+def prefill_config(capability: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the prefill kernel."""
+    return select(PREFILL_CONFIGS, capability)[_config_key(head_dim, dtype)]
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int, num_sms: int) -> int:
+    """Partitions per sequence: the power of two that brings the grid nearest to, not over, PROGRAMS_PER_SM
+    programs per multiprocessor, with at least MIN_TILES_PER_SPLIT tiles of the longest context each. (Measured on
+    an H200: a grid just past a whole wave costs a tail, and more splits than that only add per-program start-up.)"""
+    num_tiles = triton.cdiv(max(max_seq_len, 1), block_n)
+    wanted = max(1, PROGRAMS_PER_SM * num_sms // (num_seqs * num_kv_heads))
+    wanted = min(wanted, triton.cdiv(num_tiles, MIN_TILES_PER_SPLIT), MAX_SPLITS)
+    return 1 << (wanted.bit_length() - 1)
+
+
+def _check_rows(name: str, t: torch.Tensor) -> None:
+    # The kernels tell the compiler that row offsets are multiples of 16 elements (16-byte vector loads).
+    _check(t.stride(-1) == 1, f"{name} must be contiguous in its last dim")
+    _check(all(s % 16 == 0 for s in t.stride()[:-1]), f"{name} strides {t.stride()} are not multiples of 16")
+
+
+def _check_paged(q, k_cache, v_cache, block_tables, seq_lens, num_seqs: int) -> tuple[int, int]:
+    """Checks what both kernels read from the paged cache; returns (GQA group, log2 of the page size)."""
+    _check(q.dim() == 3, f"q must be 3-D [tokens, heads, head_dim], got shape {tuple(q.shape)}")
+    _check(q.dtype in SUPPORTED_DTYPES, f"q must be bf16, fp16 or fp32, got {q.dtype}")
+    _check_rows("q", q)
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _check(cache.dim() == 4, f"{name} must be 4-D [num_blocks, block_size, kv_heads, head_dim]")
+        _check(cache.dtype == q.dtype, f"{name} dtype {cache.dtype} differs from q's {q.dtype}")
+        _check(cache.device == q.device, f"{name} is on {cache.device}, q on {q.device}")
+        _check_rows(name, cache)
+    _check(v_cache.shape == k_cache.shape, f"v_cache shape {tuple(v_cache.shape)} differs from k_cache's")
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    _check(k_cache.shape[3] == head_dim, f"k_cache head dim {k_cache.shape[3]} differs from q's {head_dim}")
+    _check(head_dim in SUPPORTED_HEAD_DIMS, f"head_dim {head_dim} is not one of {SUPPORTED_HEAD_DIMS}")
+    _check(page_size & (page_size - 1) == 0, f"k_cache block size {page_size} is not a power of two")
+    _check(num_q_heads % num_kv_heads == 0, f"q heads {num_q_heads} are not a multiple of kv heads {num_kv_heads}")
+    group = num_q_heads // num_kv_heads
+    _check(group <= MAX_GROUP, f"GQA group {group} is larger than {MAX_GROUP}")
+    _check(block_tables.dtype == torch.int32 and block_tables.dim() == 2, "block_tables must be int32 [B, blocks]")
+    _check(block_tables.shape[0] == num_seqs, f"block_tables has {block_tables.shape[0]} rows for {num_seqs} seqs")
+    _check(block_tables.stride(1) == 1, "block_tables must be contiguous in its last dim")
+    _check(seq_lens.dtype == torch.int32 and seq_lens.shape == (num_seqs,), f"seq_lens must be int32 [{num_seqs}]")
+    _check(seq_lens.is_contiguous(), "seq_lens must be contiguous")
+    for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens)):
+        _check(t.device == q.device, f"{name} is on {t.device}, q on {q.device}")
+    return group, page_size.bit_length() - 1
+
+
+def _output(out, shape: tuple[int, ...], q: torch.Tensor) -> torch.Tensor:
+    if out is None:
+        return q.new_empty(shape)
+    _check(tuple(out.shape) == shape, f"out must have shape {shape}, got {tuple(out.shape)}")
+    _check(out.dtype == q.dtype, f"out dtype {out.dtype} differs from q's {q.dtype}")
+    _check(out.device == q.device, f"out is on {out.device}, q on {q.device}")
+    _check_rows("out", out)
+    return out
+
+
+def _check_window(sliding_window) -> int:
+    _check(sliding_window is None or sliding_window > 0, f"sliding_window must be None or > 0: {sliding_window}")
+    return sliding_window or 0
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """One new token per sequence: q [B, Hq, D] over its paged context -> [B, Hq, D]. Reference:
+    gpu_layers.reference.paged_attention with query_lens all 1. `max_seq_len` bounds the contexts (default: what
+    the block table can hold); with `num_splits` None the split count comes from it and the batch shape."""
+    num_seqs = q.shape[0]
+    group, page_shift = _check_paged(q, k_cache, v_cache, block_tables, seq_lens, num_seqs)
+    window = _check_window(sliding_window)
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    out = _output(out, (num_seqs, num_q_heads, head_dim), q)
+    if num_seqs == 0:
+        return out
+
+    block_n, num_warps, num_stages = decode_config(_capability(q.device), head_dim, q.dtype)
+    if num_splits is None:
+        max_seq_len = max_seq_len or block_tables.shape[1] << page_shift
+        if window:
+            max_seq_len = min(max_seq_len, window + block_n)  # a window spans at most this many tile keys
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, block_n, _num_sms(q.device))
+    _check(1 <= num_splits <= 65535, f"num_splits must be in 1..65535, got {num_splits}")
+
+    partial_acc = torch.empty((num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+    partial_max = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
+    partial_sum = torch.empty_like(partial_max)
+    paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, partial_acc, partial_max, partial_sum,
+        scale * LOG2E, window, group, num_splits, page_shift,
+        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
+        HEAD_DIM=head_dim, D_PAD=_padded(head_dim), BLOCK_N=block_n, DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    reduce_warps, reduce_stages = REDUCE_CONFIG
+    paged_decode_reduce_kernel[(num_seqs, num_q_heads)](
+        partial_acc, partial_max, partial_sum, out, num_splits, out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, D_PAD=_padded(head_dim), SPLIT_BLOCK=SPLIT_BLOCK,
+        num_warps=reduce_warps, num_stages=reduce_stages,
+    )
+    return out
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Each sequence's new tokens q [T, Hq, D] (its last query_len positions) attend causally over its paged
+    context -> [T, Hq, D]. Reference: gpu_layers.reference.paged_attention. `max_query_len` (a host int, at least
+    the longest query) sizes the grid."""
+    _check(seq_lens.dim() == 1, f"seq_lens must be 1-D [B], got shape {tuple(seq_lens.shape)}")
+    num_seqs = seq_lens.shape[0]
+    group, page_shift = _check_paged(q, k_cache, v_cache, block_tables, seq_lens, num_seqs)
+    _check(query_start_loc.dtype == torch.int32 and query_start_loc.shape == (num_seqs + 1,),
+           f"query_start_loc must be int32 [{num_seqs + 1}]")
+    _check(query_start_loc.is_contiguous(), "query_start_loc must be contiguous")
+    _check(query_start_loc.device == q.device, f"query_start_loc is on {query_start_loc.device}, q on {q.device}")
+    _check(max_query_len >= 1, f"max_query_len must be >= 1, got {max_query_len}")
+    window = _check_window(sliding_window)
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    out = _output(out, (num_tokens, num_q_heads, head_dim), q)
+    if num_seqs == 0 or num_tokens == 0:
+        return out
+
+    block_m, block_n, num_warps, num_stages = prefill_config(_capability(q.device), head_dim, q.dtype)
+    grid = (triton.cdiv(max_query_len, block_m // group), num_seqs, num_kv_heads)
+    paged_prefill_kernel[grid](
+        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
+        scale * LOG2E, window, group, page_shift,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
+        HEAD_DIM=head_dim, D_PAD=_padded(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- gate, bench
+
+
+def _gate_case(kernel, dtype_name: str, constexprs: dict, capability: int, label: str, num_warps: int,
+               num_stages: int) -> GateCase:
+    """Argument types follow the naming: *_ptr are pointers (int32 metadata, fp32 partials, else the data
+    dtype), scale_log2 is fp32, other plain arguments are i32."""
+
+    def arg_type(name: str) -> str:
+        if name in constexprs:
+            return "constexpr"
+        if name in ("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr"):
+            return "*i32"
+        if name.startswith("partial_"):
+            return "*fp32"
+        if name.endswith("_ptr"):
+            return f"*{dtype_name}"
+        return "fp32" if name == "scale_log2" else "i32"
+
+    signature = {name: arg_type(name) for name in kernel.arg_names}
+    return GateCase(kernel, signature, constexprs, capability, label, num_warps, num_stages)
+
+
+def gate_cases() -> list[GateCase]:
+    """Every (kernel, dtype, head dim) config each capability's table can select. The GQA group, page size and
+    sliding window are runtime ints, so they add no variants."""
+    cases = []
+    for capability in DECODE_CONFIGS:
+        for dtype, name in SUPPORTED_DTYPES.items():
+            for head_dim in SUPPORTED_HEAD_DIMS:
+                dims = {"HEAD_DIM": head_dim, "D_PAD": _padded(head_dim)}
+                precision = {"DOT_PRECISION": _dot_precision(dtype)}
+                block_n, num_warps, num_stages = decode_config(capability, head_dim, dtype)
+                cases.append(_gate_case(paged_decode_kernel, name, {**dims, **precision, "BLOCK_N": block_n},
+                                        capability, f"paged_decode {name} D={head_dim} BLOCK_N={block_n}",
+                                        num_warps, num_stages))
+                cases.append(_gate_case(paged_decode_reduce_kernel, name, {**dims, "SPLIT_BLOCK": SPLIT_BLOCK},
+                                        capability, f"paged_decode_reduce {name} D={head_dim}", *REDUCE_CONFIG))
+                block_m, block_n, num_warps, num_stages = prefill_config(capability, head_dim, dtype)
+                cases.append(_gate_case(paged_prefill_kernel, name,
+                                        {**dims, **precision, "BLOCK_M": block_m, "BLOCK_N": block_n}, capability,
+                                        f"paged_prefill {name} D={head_dim} BLOCK_M={block_m} BLOCK_N={block_n}",
+                                        num_warps, num_stages))
+    return cases
+
+
+def sdpa_decode_baseline(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """What a simple engine does: q [B, Hq, D] over contiguous k, v [B, Hkv, L, D] -> [B, Hq, D]."""
+    out = torch.nn.functional.scaled_dot_product_attention(q.unsqueeze(2), k, v, scale=scale, enable_gqa=True)
+    return out.squeeze(2)
+
+
+def _bench_tables(num_seqs: int, context: int, page_size: int, num_pages: int, device) -> torch.Tensor:
+    """Random (scattered) pages for num_seqs sequences of `context` tokens, out of a pool of num_pages."""
+    pages_per_seq = triton.cdiv(context, page_size)
+    pages = torch.randperm(num_pages, device=device)[: num_seqs * pages_per_seq]
+    return pages.view(num_seqs, pages_per_seq).to(torch.int32)
+
+
+def bench_cases() -> list[tuple]:
+    """Qwen3-30B-A3B-like heads (Hq 32, Hkv 4, D 128, bf16, pages of 16). Decode cases count the KV bytes read
+    (plus q and out); each comes with the SDPA baseline over a contiguous copy of the same KV (made at its first
+    call). Prefill cases count the causal flops."""
+    device = torch.device("cuda")
+    num_q_heads, num_kv_heads, head_dim, page_size = 32, 4, 128, 16
+    scale = head_dim**-0.5
+    batches, contexts = (1, 8, 32, 64), (1024, 8192, 32768)
+    cache_shape = (max(batches) * max(contexts) // page_size, page_size, num_kv_heads, head_dim)
+    k_cache, v_cache = (torch.randn(cache_shape, dtype=torch.bfloat16, device=device) for _ in range(2))
+    cases = []
+    for num_seqs in batches:
+        for context in contexts:
+            tables = _bench_tables(num_seqs, context, page_size, k_cache.shape[0], device)
+            seq_lens = torch.full((num_seqs,), context, dtype=torch.int32, device=device)
+            q = torch.randn(num_seqs, num_q_heads, head_dim, dtype=torch.bfloat16, device=device)
+            out = torch.empty_like(q)
+            num_bytes = 2 * num_seqs * context * num_kv_heads * head_dim * 2 + 2 * q.numel() * 2
+            flops = 4 * num_seqs * num_q_heads * context * head_dim
+            run = functools.partial(paged_decode_attention, q, k_cache, v_cache, tables, seq_lens, scale, out=out,
+                                    max_seq_len=context)
+            cases.append((f"attention.paged_decode B={num_seqs} L={context}", run, num_bytes, flops))
+            cases.append((f"attention.sdpa_decode B={num_seqs} L={context}",
+                          _sdpa_case(q, k_cache, v_cache, tables, context, scale), num_bytes, flops))
+    for num_seqs, new, prefix in ((1, 2048, 0), (4, 512, 7680)):
+        cases.append(_prefill_case(num_seqs, new, prefix, num_q_heads, k_cache, v_cache, scale))
+    return cases
+
+
+def _sdpa_case(q, k_cache, v_cache, tables, context: int, scale: float):
+    copies = []
+
+    def run():
+        if not copies:  # [B, Hkv, L, D]: each sequence's pages laid out contiguously
+            for cache in (k_cache, v_cache):
+                pages = cache[tables.long()]  # [B, pages, P, Hkv, D]
+                copies.append(pages.flatten(1, 2)[:, :context].transpose(1, 2).contiguous())
+        return sdpa_decode_baseline(q, copies[0], copies[1], scale)
+
+    return run
+
+
+def _prefill_case(num_seqs: int, new: int, prefix: int, num_q_heads: int, k_cache, v_cache, scale: float):
+    device = k_cache.device
+    page_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    context = prefix + new
+    tables = _bench_tables(num_seqs, context, page_size, k_cache.shape[0], device)
+    seq_lens = torch.full((num_seqs,), context, dtype=torch.int32, device=device)
+    query_start_loc = torch.arange(0, (num_seqs + 1) * new, new, dtype=torch.int32, device=device)
+    q = torch.randn(num_seqs * new, num_q_heads, head_dim, dtype=torch.bfloat16, device=device)
+    out = torch.empty_like(q)
+    visible_keys = num_seqs * (new * prefix + new * (new + 1) // 2)  # summed over the new tokens
+    flops = 4 * num_q_heads * head_dim * visible_keys
+    num_bytes = 2 * num_seqs * context * num_kv_heads * head_dim * 2 + 2 * q.numel() * 2
+    run = functools.partial(paged_prefill_attention, q, k_cache, v_cache, tables, seq_lens, query_start_loc, new,
+                            scale, out=out)
+    return f"attention.paged_prefill B={num_seqs} new={new} prefix={prefix}", run, num_bytes, flops

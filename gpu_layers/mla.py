@@ -1,0 +1,516 @@
+"""Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2) over the compressed paged cache: decode and prefill.
+
+Data flow (B sequences, T new tokens, H heads, L context tokens; Dn = qk_nope_head_dim, Dr = qk_rope_head_dim,
+Dv = v_head_dim, R = kv_lora_rank):
+- latent_cache [num_blocks, page_size, 1, R + Dr] holds, per token, the normalised kv latent c (R) followed by
+  the rotated rope key kr (Dr), shared by all heads. w_kv_b [H * (Dn + Dv), R] is kv_b_proj.weight: per head Dn
+  rows W_UK (c -> k_nope) then Dv rows W_UV (c -> v).
+- Decode, `mla_decode` (one new token per sequence, q [B, H, *]): weight absorption. Since
+  q_nope . (W_UK c) = (q_nope W_UK) . c, the query is moved into latent space once, q_latent [B, H, R]
+  (torch.bmm), and the kernel scores every head against the latents directly:
+  score = (q_latent . c + q_rope . kr) * scale, o_latent = softmax(score) @ c [B, H, R]; then
+  out = o_latent W_UV^T [B, H, Dv] (torch.bmm). The cache is read once per step (R + Dr values per token) for a
+  block of heads at a time instead of being expanded per head; with 128 heads that makes decode about as
+  compute-bound as memory-bound (some 240 flops per byte read).
+  The context is split over `num_splits` programs per (sequence, head block) so that small batches still fill the
+  GPU (flash decoding); each split writes a normalised partial and its log-sum-exp, and a reduce kernel merges
+  them. Grids depend on shapes and host ints only, so decode can be captured in a CUDA graph.
+- Prefill, `mla_prefill` (q [T, H, *], sequences concatenated as in ForwardBatch): many queries per context token,
+  so expansion is cheaper than absorption: the context latents of all sequences are gathered to [L, R + Dr] and
+  expanded with one matmul to k_nope [L, H, Dn] and v [L, H, Dv]; then a causal flash-attention kernel runs each
+  sequence's new tokens against its whole context (prefix + itself). The q.k dot is split into the nope part (Dn)
+  and the rope part (Dr, the key shared by all heads), since Dn + Dr = 192 is not a power of two.
+
+Dims must be powers of two of at least 16 (tl.dot's smallest K); DeepSeek-V3 and Kimi-K2 have Dn = Dv = 128,
+Dr = 64, R = 512. Tiles for SM120/SM89 fit 99 KiB of shared memory: a [BLOCK_N, R] latent tile is 16 KiB in bf16
+at BLOCK_N = 16, double-buffered beside the [64 heads, R] query block; Hopper has 227 KiB and takes wider tiles.
+Tile addresses are built from constexpr strides (the cache and the expanded kv are contiguous) so the compiler
+knows them aligned and pipelines the loads with cp.async whatever the launch specialises.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from gpu_layers.capability import CAPABILITIES, GateCase, capability_of, select
+
+LOG2E = 1.4426950408889634
+MAX_SPLITS = 64  # enough to fill a GPU with one sequence's two 64-head blocks; more only add partial traffic
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    block_h: int  # heads per program: they share every latent tile the program loads
+    block_n: int  # context tokens per tile
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    block_m: int  # queries per program
+    block_n: int  # context tokens per tile
+    num_warps: int
+    num_stages: int
+
+
+# Keyed by capability, then by element size; picked by offline compiles (none spills, aligned as at run time or
+# not) and, for Hopper and the mma.sync configs, timings on an H200. Decode is compute-bound at 128 heads (about
+# 240 flops per latent byte), so a program takes 64 heads: twice the work per shared-memory tile of 32, and each
+# latent tile comes from L2 twice instead of four times; on SM120/SM89 that costs 16-token tiles to fit 99 KiB
+# (94 KiB, double-buffered). Prefill on SM120 runs [64, 64] tiles (72 KiB; 45% faster on the H200 than
+# [128, 32]), which spill on SM89's compiler, so Ada keeps [128, 32]. fp32 (CPU-parity dtype, exact dots) takes
+# the smallest tiles to stay in budget.
+DECODE_CONFIGS = {
+    89: {2: DecodeConfig(64, 16, 8, 2), 4: DecodeConfig(16, 16, 8, 1)},
+    90: {2: DecodeConfig(64, 32, 8, 2), 4: DecodeConfig(16, 16, 8, 1)},
+    120: {2: DecodeConfig(64, 16, 8, 2), 4: DecodeConfig(16, 16, 8, 1)},
+}
+PREFILL_CONFIGS = {
+    89: {2: PrefillConfig(128, 32, 8, 2), 4: PrefillConfig(32, 16, 8, 2)},
+    90: {2: PrefillConfig(128, 64, 8, 3), 4: PrefillConfig(32, 16, 8, 2)},
+    120: {2: PrefillConfig(64, 64, 4, 2), 4: PrefillConfig(32, 16, 8, 2)},
+}
+REDUCE_WARPS = 4
+
+TRITON_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+@triton.jit
+def mla_decode_kernel(
+    q_latent, q_rope, cache, block_tables, seq_lens, o_part, lse_part,
+    qk_scale, num_heads, page_size,
+    stride_ql_b, stride_ql_h, stride_qr_b, stride_qr_h, stride_bt,
+    R: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One program: sequence b, heads [h0, h0 + BLOCK_H), one contiguous split of the context. Writes the
+    split's normalised o_latent [BLOCK_H, R] and base-2 log-sum-exp [BLOCK_H] (-inf for an empty split)."""
+    b = tl.program_id(0)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    split, num_splits = tl.program_id(2), tl.num_programs(2)
+    is_head = heads < num_heads
+    offs_r = tl.arange(0, R)
+    offs_dr = tl.arange(0, DR)
+
+    seq_len = tl.load(seq_lens + b)
+    # Splits start on tile boundaries so only the context's last tile is partial.
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    q_lat = tl.load(q_latent + b * stride_ql_b + heads[:, None] * stride_ql_h + offs_r[None, :],
+                    mask=is_head[:, None], other=0.0)
+    q_rp = tl.load(q_rope + b * stride_qr_b + heads[:, None] * stride_qr_h + offs_dr[None, :],
+                   mask=is_head[:, None], other=0.0)
+    q_lat_t = tl.trans(q_lat)
+    q_rp_t = tl.trans(q_rp)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, R], tl.float32)
+    for tile in range(start, end, BLOCK_N):
+        pos = tile + tl.arange(0, BLOCK_N)
+        is_valid = pos < end
+        page = tl.load(block_tables + b * stride_bt + pos // page_size, mask=is_valid, other=0).to(tl.int64)
+        # The cache is contiguous: entry offsets are multiples of R + DR, which the compiler sees (aligned, vector
+        # loads, cp.async pipelining) whatever the launch specialises.
+        slot = (page * page_size + pos % page_size) * (R + DR)
+        c = tl.load(cache + slot[:, None] + offs_r[None, :], mask=is_valid[:, None], other=0.0)
+        kr = tl.load(cache + slot[:, None] + R + offs_dr[None, :], mask=is_valid[:, None], other=0.0)
+        # Scores are computed transposed, tokens on the M axis, so that the latent tile is the A operand here and
+        # the B operand below, both read untransposed from one shared-memory copy (a transposed use would be
+        # converted through registers: 64+ more per thread at R = 512).
+        scores = tl.dot(c, q_lat_t, input_precision="ieee")  # [BLOCK_N, BLOCK_H]
+        scores = tl.dot(kr, q_rp_t, scores, input_precision="ieee")
+        scores = tl.where(is_valid[:, None], scores * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 0))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[None, :])
+        l_i = l_i * alpha + tl.sum(p, 0)
+        acc = tl.dot(tl.trans(p).to(c.dtype), c, acc * alpha[:, None], input_precision="ieee")
+        m_i = m_new
+
+    is_empty = l_i == 0.0
+    l_safe = tl.where(is_empty, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    lse = tl.where(is_empty, float("-inf"), m_i + tl.log2(l_safe))
+    row = (b * num_heads + heads) * num_splits + split  # o_part [B, H, S, R], lse_part [B, H, S]
+    tl.store(o_part + row[:, None].to(tl.int64) * R + offs_r[None, :], o, mask=is_head[:, None])
+    tl.store(lse_part + row, lse, mask=is_head)
+
+
+@triton.jit
+def mla_decode_reduce_kernel(
+    o_part, lse_part, out, num_heads, num_splits, stride_out_b, stride_out_h,
+    R: tl.constexpr,
+):
+    """One program per (sequence, head): merges the splits' partials, weighted by exp2(lse - max lse)."""
+    b, h = tl.program_id(0), tl.program_id(1)
+    offs_r = tl.arange(0, R)
+    first = (b * num_heads + h) * num_splits
+    lse_max = float("-inf")
+    for split in range(num_splits):
+        lse_max = tl.maximum(lse_max, tl.load(lse_part + first + split))
+    # An empty context (a padded batch slot) has every lse at -inf: it yields zeros, not NaN.
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    total = 0.0
+    acc = tl.zeros([R], tl.float32)
+    for split in range(num_splits):
+        weight = tl.exp2(tl.load(lse_part + first + split) - lse_max)
+        acc += weight * tl.load(o_part + (first + split).to(tl.int64) * R + offs_r)
+        total += weight
+    merged = acc / tl.maximum(total, 1e-30)
+    tl.store(out + b * stride_out_b + h * stride_out_h + offs_r, merged.to(out.dtype.element_ty))
+
+
+@triton.jit
+def mla_prefill_kernel(
+    q_nope, q_rope, kv, latents, out, query_start_loc, seq_lens, context_start,
+    qk_scale, num_heads,
+    stride_qn_t, stride_qn_h, stride_qr_t, stride_qr_h, stride_o_t, stride_o_h,
+    DN: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr, R: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One program: BLOCK_M new tokens of sequence b, head h. Context rows (the sequence's prefix then its new
+    tokens) start at row context_start[b] of kv [L, H, DN + DV] (k_nope then v) and latents [L, R + DR] (the rope
+    key at column R); both contiguous, their strides built from constexprs so tile loads are known aligned.
+    Query i of the sequence sits at position prefix + i."""
+    block_m, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    q_start = tl.load(query_start_loc + b)
+    query_len = tl.load(query_start_loc + b + 1) - q_start
+    if block_m * BLOCK_M >= query_len:
+        return
+    seq_len = tl.load(seq_lens + b)
+    ctx_row = tl.load(context_start + b).to(tl.int64)
+    prefix = seq_len - query_len
+    offs_m = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    is_query = offs_m < query_len
+    q_pos = prefix + offs_m
+    offs_dn, offs_dr, offs_dv = tl.arange(0, DN), tl.arange(0, DR), tl.arange(0, DV)
+    tokens = (q_start + offs_m).to(tl.int64)
+
+    qn = tl.load(q_nope + tokens[:, None] * stride_qn_t + h * stride_qn_h + offs_dn[None, :],
+                 mask=is_query[:, None], other=0.0)
+    qr = tl.load(q_rope + tokens[:, None] * stride_qr_t + h * stride_qr_h + offs_dr[None, :],
+                 mask=is_query[:, None], other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DV], tl.float32)
+    # Causal: this block's last query sees up to its own position.
+    kv_end = tl.minimum(seq_len, prefix + (block_m + 1) * BLOCK_M)
+    for tile in range(0, kv_end, BLOCK_N):
+        pos = tile + tl.arange(0, BLOCK_N)
+        is_key = pos < kv_end
+        rows = ctx_row + pos
+        kv_rows = kv + (rows[:, None] * num_heads + h) * (DN + DV)
+        kn = tl.load(kv_rows + offs_dn[None, :], mask=is_key[:, None], other=0.0)
+        kr = tl.load(latents + rows[:, None] * (R + DR) + R + offs_dr[None, :], mask=is_key[:, None], other=0.0)
+        scores = tl.dot(qn, tl.trans(kn), input_precision="ieee")
+        scores = tl.dot(qr, tl.trans(kr), scores, input_precision="ieee")
+        is_visible = is_key[None, :] & (pos[None, :] <= q_pos[:, None])
+        scores = tl.where(is_visible, scores * qk_scale, float("-inf"))
+        # Every query sees position 0, in the first tile, so m_new is finite from the first tile on.
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        vt = tl.load(kv_rows + DN + offs_dv[None, :], mask=is_key[:, None], other=0.0)
+        acc = tl.dot(p.to(vt.dtype), vt, acc * alpha[:, None], input_precision="ieee")
+        m_i = m_new
+
+    o = acc / l_i[:, None]
+    tl.store(out + tokens[:, None] * stride_o_t + h * stride_o_h + offs_dv[None, :],
+             o.to(out.dtype.element_ty), mask=is_query[:, None])
+
+
+# ---------------------------------------------------------------------------------------------------- launchers
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def _is_dot_dim(n: int) -> bool:
+    return n >= 16 and n & (n - 1) == 0
+
+
+def _check_common(q_nope, q_rope, latent_cache, w_kv_b, block_tables, seq_lens, v_head_dim) -> tuple[int, int, int]:
+    """Shape, dtype and device checks shared by decode and prefill. Returns (num_heads, nope_dim, rank)."""
+    _require(q_nope.dim() == 3, f"q_nope must be [tokens, heads, nope_dim], got {tuple(q_nope.shape)}")
+    _require(q_nope.dtype in TRITON_DTYPES, f"q_nope must be bf16, fp16 or fp32, got {q_nope.dtype}")
+    num_tokens, num_heads, nope_dim = q_nope.shape
+    _require(q_rope.dim() == 3 and q_rope.shape[:2] == q_nope.shape[:2],
+             f"q_rope must be [{num_tokens}, {num_heads}, rope_dim], got {tuple(q_rope.shape)}")
+    rope_dim = q_rope.shape[2]
+    _require(latent_cache.dim() == 4 and latent_cache.shape[2] == 1,
+             f"latent_cache must be [num_blocks, page_size, 1, rank + rope_dim], got {tuple(latent_cache.shape)}")
+    rank = latent_cache.shape[3] - rope_dim
+    _require(w_kv_b.shape == (num_heads * (nope_dim + v_head_dim), rank),
+             f"w_kv_b must be [{num_heads * (nope_dim + v_head_dim)}, {rank}], got {tuple(w_kv_b.shape)}")
+    dims = {"nope_dim": nope_dim, "rope_dim": rope_dim, "kv_lora_rank": rank, "v_head_dim": v_head_dim}
+    for name, dim in dims.items():
+        _require(_is_dot_dim(dim), f"{name} must be a power of two >= 16, got {dim}")
+    for name, t in (("q_rope", q_rope), ("latent_cache", latent_cache), ("w_kv_b", w_kv_b)):
+        _require(t.dtype == q_nope.dtype, f"{name} must be {q_nope.dtype} like q_nope, got {t.dtype}")
+    for name, t in (("q_rope", q_rope), ("latent_cache", latent_cache), ("w_kv_b", w_kv_b),
+                    ("block_tables", block_tables), ("seq_lens", seq_lens)):
+        _require(t.device == q_nope.device, f"{name} must be on {q_nope.device}, got {t.device}")
+    _require(q_rope.stride(2) == 1, "q_rope must be contiguous in its last dim")
+    _require(latent_cache.is_contiguous(), "latent_cache must be contiguous")
+    _require(block_tables.dim() == 2 and block_tables.dtype == torch.int32,
+             "block_tables must be [B, max_blocks] int32")
+    _require(seq_lens.dim() == 1 and seq_lens.dtype == torch.int32 and seq_lens.shape[0] == block_tables.shape[0],
+             f"seq_lens must be [{block_tables.shape[0]}] int32 like block_tables' rows")
+    return num_heads, nope_dim, rank
+
+
+def _check_out(out, shape, like: torch.Tensor) -> torch.Tensor:
+    if out is None:
+        return like.new_empty(shape)
+    _require(tuple(out.shape) == tuple(shape) and out.dtype == like.dtype and out.device == like.device,
+             f"out must be {tuple(shape)} {like.dtype} on {like.device}, got {tuple(out.shape)} {out.dtype}")
+    return out
+
+
+def _capability(device: torch.device) -> int:
+    # The interpreter (CPU) takes the SM120 table, the smallest limits.
+    return capability_of(device) if device.type == "cuda" else 120
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def default_num_splits(num_seqs: int, num_head_blocks: int, max_context: int, block_n: int, num_sms: int) -> int:
+    """Splits per (sequence, head block) so the grid covers the GPU about once (one block fits an SM), but none
+    shorter than 4 tiles: from host ints only, so a captured graph replays with any lengths."""
+    wanted = max(1, num_sms // max(1, num_seqs * num_head_blocks))
+    useful = max(1, triton.cdiv(max_context, 4 * block_n))
+    return min(wanted, useful, MAX_SPLITS)
+
+
+def mla_decode(
+    q_nope: torch.Tensor,
+    q_rope: torch.Tensor,
+    latent_cache: torch.Tensor,
+    w_kv_b: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    v_head_dim: int,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One new token per sequence, q_nope [B, H, Dn], q_rope [B, H, Dr] (already in the cache, seq_lens counting
+    it) -> [B, H, Dv], by weight absorption over the latent cache. No host syncs: CUDA-graph safe."""
+    num_heads, nope_dim, rank = _check_common(q_nope, q_rope, latent_cache, w_kv_b, block_tables, seq_lens,
+                                              v_head_dim)
+    num_seqs, rope_dim = q_nope.shape[0], q_rope.shape[2]
+    _require(seq_lens.shape[0] == num_seqs, f"seq_lens must have one entry per sequence ({num_seqs})")
+    out = _check_out(out, (num_seqs, num_heads, v_head_dim), q_nope)
+    if num_seqs == 0:
+        return out
+    cfg = select(DECODE_CONFIGS, _capability(q_nope.device))[q_nope.element_size()]
+    num_head_blocks = triton.cdiv(num_heads, cfg.block_h)
+    page_size = latent_cache.shape[1]
+    if num_splits is None:
+        max_context = block_tables.shape[1] * page_size
+        num_splits = default_num_splits(num_seqs, num_head_blocks, max_context, cfg.block_n, _num_sms(q_nope.device))
+    _require(1 <= num_splits <= MAX_SPLITS, f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
+
+    w_kv_b = w_kv_b.view(num_heads, nope_dim + v_head_dim, rank)
+    q_latent = torch.bmm(q_nope.transpose(0, 1), w_kv_b[:, :nope_dim])  # [H, B, R]: q_nope W_UK per head
+    o_part = torch.empty(num_seqs, num_heads, num_splits, rank, dtype=torch.float32, device=q_nope.device)
+    lse_part = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q_nope.device)
+    mla_decode_kernel[(num_seqs, num_head_blocks, num_splits)](
+        q_latent, q_rope, latent_cache, block_tables, seq_lens, o_part, lse_part,
+        scale * LOG2E, num_heads, page_size,
+        q_latent.stride(1), q_latent.stride(0), q_rope.stride(0), q_rope.stride(1), block_tables.stride(0),
+        R=rank, DR=rope_dim, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    o_latent = torch.empty_like(q_latent)  # [H, B, R], the layout the second bmm reads
+    mla_decode_reduce_kernel[(num_seqs, num_heads)](
+        o_part, lse_part, o_latent, num_heads, num_splits, o_latent.stride(1), o_latent.stride(0),
+        R=rank, num_warps=REDUCE_WARPS,
+    )
+    out.copy_(torch.bmm(o_latent, w_kv_b[:, nope_dim:].transpose(1, 2)).transpose(0, 1))  # o_latent W_UV^T
+    return out
+
+
+def gather_latents(
+    latent_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, num_context_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every sequence's context entries, concatenated: ([L, R + Dr], context_start [B + 1] int32), L the sum of
+    seq_lens. On-device index arithmetic, no host sync."""
+    num_seqs, page_size = seq_lens.shape[0], latent_cache.shape[1]
+    device = seq_lens.device
+    context_start = torch.zeros(num_seqs + 1, dtype=torch.int32, device=device)
+    torch.cumsum(seq_lens, 0, dtype=torch.int32, out=context_start[1:])
+    seq_ids = torch.repeat_interleave(torch.arange(num_seqs, device=device), seq_lens.long(),
+                                      output_size=num_context_tokens)
+    pos = torch.arange(num_context_tokens, device=device) - context_start[seq_ids]
+    pages = block_tables[seq_ids, pos // page_size].long()
+    latents = latent_cache.view(-1, latent_cache.shape[-1])[pages * page_size + pos % page_size]
+    return latents, context_start
+
+
+def mla_prefill(
+    q_nope: torch.Tensor,
+    q_rope: torch.Tensor,
+    latent_cache: torch.Tensor,
+    w_kv_b: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    v_head_dim: int,
+    out: torch.Tensor | None = None,
+    num_context_tokens: int | None = None,
+) -> torch.Tensor:
+    """New tokens q_nope [T, H, Dn], q_rope [T, H, Dr] of B sequences (query_start_loc [B + 1]; their latents
+    already in the cache, seq_lens counting them) -> [T, H, Dv], causal over each sequence's whole context.
+    max_query_len bounds every sequence's new tokens. num_context_tokens = sum(seq_lens): pass it from host data
+    (ForwardBatch.seq_lens_cpu); when None it is read from the device, a sync."""
+    num_heads, nope_dim, rank = _check_common(q_nope, q_rope, latent_cache, w_kv_b, block_tables, seq_lens,
+                                              v_head_dim)
+    num_tokens, rope_dim, num_seqs = q_nope.shape[0], q_rope.shape[2], seq_lens.shape[0]
+    _require(q_nope.stride(2) == 1, "q_nope must be contiguous in its last dim")
+    _require(query_start_loc.shape == (num_seqs + 1,) and query_start_loc.dtype == torch.int32
+             and query_start_loc.device == q_nope.device, f"query_start_loc must be [{num_seqs + 1}] int32")
+    _require(max_query_len >= 0, f"max_query_len must be >= 0, got {max_query_len}")
+    out = _check_out(out, (num_tokens, num_heads, v_head_dim), q_nope)
+    _require(out.stride(2) == 1, "out must be contiguous in its last dim")
+    if num_tokens == 0 or max_query_len == 0:
+        return out
+    if num_context_tokens is None:
+        num_context_tokens = int(seq_lens.sum())
+    cfg = select(PREFILL_CONFIGS, _capability(q_nope.device))[q_nope.element_size()]
+
+    latents, context_start = gather_latents(latent_cache, block_tables, seq_lens, num_context_tokens)
+    kv = torch.nn.functional.linear(latents[:, :rank], w_kv_b)  # [L, H * (Dn + Dv)]: one matmul expands all heads
+    grid = (triton.cdiv(max_query_len, cfg.block_m), num_seqs, num_heads)
+    mla_prefill_kernel[grid](
+        q_nope, q_rope, kv, latents, out, query_start_loc, seq_lens, context_start,
+        scale * LOG2E, num_heads,
+        q_nope.stride(0), q_nope.stride(1), q_rope.stride(0), q_rope.stride(1), out.stride(0), out.stride(1),
+        DN=nope_dim, DR=rope_dim, DV=v_head_dim, R=rank, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- gate, bench
+
+DEEPSEEK_V3 = dict(num_heads=128, nope_dim=128, rope_dim=64, v_head_dim=128, rank=512)
+
+
+def _decode_signature(dtype: str) -> dict[str, str]:
+    sig = {name: f"*{dtype}" for name in ("q_latent", "q_rope", "cache")}
+    sig.update(block_tables="*i32", seq_lens="*i32", o_part="*fp32", lse_part="*fp32", qk_scale="fp32")
+    for name in ("num_heads", "page_size", "stride_ql_b", "stride_ql_h", "stride_qr_b", "stride_qr_h", "stride_bt"):
+        sig[name] = "i32"
+    return sig | {name: "constexpr" for name in ("R", "DR", "BLOCK_H", "BLOCK_N")}
+
+
+def _reduce_signature(dtype: str) -> dict[str, str]:
+    return dict(o_part="*fp32", lse_part="*fp32", out=f"*{dtype}", num_heads="i32", num_splits="i32",
+                stride_out_b="i32", stride_out_h="i32", R="constexpr")
+
+
+def _prefill_signature(dtype: str) -> dict[str, str]:
+    sig = {name: f"*{dtype}" for name in ("q_nope", "q_rope", "kv", "latents", "out")}
+    sig.update(query_start_loc="*i32", seq_lens="*i32", context_start="*i32", qk_scale="fp32", num_heads="i32")
+    for name in ("stride_qn_t", "stride_qn_h", "stride_qr_t", "stride_qr_h", "stride_o_t", "stride_o_h"):
+        sig[name] = "i32"
+    return sig | {name: "constexpr" for name in ("DN", "DR", "DV", "R", "BLOCK_M", "BLOCK_N")}
+
+
+def gate_cases() -> list[GateCase]:
+    """Every kernel at the DeepSeek-V3 / Kimi-K2 dims, for each capability's config of each dtype."""
+    dims = DEEPSEEK_V3
+    cases = []
+    for capability in CAPABILITIES:
+        for torch_dtype, dtype in TRITON_DTYPES.items():
+            size = torch_dtype.itemsize
+            dec = select(DECODE_CONFIGS, capability)[size]
+            cases.append(GateCase(
+                mla_decode_kernel, _decode_signature(dtype),
+                dict(R=dims["rank"], DR=dims["rope_dim"], BLOCK_H=dec.block_h, BLOCK_N=dec.block_n), capability,
+                f"mla_decode {dtype} {dec}", dec.num_warps, dec.num_stages))
+            cases.append(GateCase(
+                mla_decode_reduce_kernel, _reduce_signature(dtype), dict(R=dims["rank"]), capability,
+                f"mla_decode_reduce {dtype}", REDUCE_WARPS, 1))
+            pre = select(PREFILL_CONFIGS, capability)[size]
+            cases.append(GateCase(
+                mla_prefill_kernel, _prefill_signature(dtype),
+                dict(DN=dims["nope_dim"], DR=dims["rope_dim"], DV=dims["v_head_dim"], R=dims["rank"],
+                     BLOCK_M=pre.block_m, BLOCK_N=pre.block_n), capability,
+                f"mla_prefill {dtype} {pre}", pre.num_warps, pre.num_stages))
+    return cases
+
+
+def _random_layer(num_heads, nope_dim, rope_dim, v_head_dim, rank, num_pages, page_size, device, dtype):
+    """A random latent cache and kv_b weight at a typical scale (normalised latents, ~1/sqrt(R) weights)."""
+    cache = torch.randn(num_pages, page_size, 1, rank + rope_dim, device=device, dtype=dtype)
+    w_kv_b = torch.randn(num_heads * (nope_dim + v_head_dim), rank, device=device, dtype=dtype) / math.sqrt(rank)
+    return cache, w_kv_b
+
+
+def bench_cases() -> list[tuple[str, object, int, int]]:
+    """DeepSeek-V3 (128 heads on one GPU) decode at batch {1, 8, 32} x context {1K, 8K, 32K}, and prefill. Decode
+    bytes: the latents read (B * context * (R + Dr)) plus W_UK and W_UV; flops: scores, p @ c and both bmms."""
+    device, dtype, page_size = torch.device("cuda"), torch.bfloat16, 64
+    h, dn, dr, dv, r = (DEEPSEEK_V3[k] for k in ("num_heads", "nope_dim", "rope_dim", "v_head_dim", "rank"))
+    max_tokens = 32 * 32768
+    cache, w_kv_b = _random_layer(h, dn, dr, dv, r, max_tokens // page_size, page_size, device, dtype)
+    weight_bytes = w_kv_b.numel() * w_kv_b.element_size()
+    cases = []
+    for batch in (1, 8, 32):
+        for context in (1024, 8192, 32768):
+            pages_per_seq = context // page_size
+            tables = torch.randperm(cache.shape[0], device=device)[: batch * pages_per_seq].view(batch, -1).int()
+            seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+            q_nope = torch.randn(batch, h, dn, device=device, dtype=dtype)
+            q_rope = torch.randn(batch, h, dr, device=device, dtype=dtype)
+            out = torch.empty(batch, h, dv, device=device, dtype=dtype)
+
+            def run(q_nope=q_nope, q_rope=q_rope, tables=tables, seq_lens=seq_lens, out=out):
+                mla_decode(q_nope, q_rope, cache, w_kv_b, tables, seq_lens, 0.1, dv, out=out)
+
+            latent_bytes = batch * context * (r + dr) * cache.element_size()
+            flops = 2 * batch * h * (context * (2 * r + dr) + dn * r + r * dv)
+            cases.append((f"mla_decode B={batch} ctx={context}", run, latent_bytes + weight_bytes, flops))
+    for prefix, new in ((0, 4096), (8192, 2048)):
+        cases.append(_prefill_case(cache, w_kv_b, prefix, new, page_size))
+    return cases
+
+
+def _prefill_case(cache, w_kv_b, prefix: int, new: int, page_size: int):
+    device, dtype = cache.device, cache.dtype
+    h, dn, dr, dv, r = (DEEPSEEK_V3[k] for k in ("num_heads", "nope_dim", "rope_dim", "v_head_dim", "rank"))
+    context = prefix + new
+    tables = torch.arange(triton.cdiv(context, page_size), device=device, dtype=torch.int32)[None]
+    seq_lens = torch.tensor([context], dtype=torch.int32, device=device)
+    query_start_loc = torch.tensor([0, new], dtype=torch.int32, device=device)
+    q_nope = torch.randn(new, h, dn, device=device, dtype=dtype)
+    q_rope = torch.randn(new, h, dr, device=device, dtype=dtype)
+    out = torch.empty(new, h, dv, device=device, dtype=dtype)
+
+    def run():
+        mla_prefill(q_nope, q_rope, cache, w_kv_b, tables, seq_lens, query_start_loc, new, 0.1, dv, out=out,
+                    num_context_tokens=context)
+
+    visible = new * prefix + new * (new + 1) // 2  # (query, key) pairs under the causal mask
+    flops = 2 * context * r * h * (dn + dv) + 2 * h * visible * (dn + dr + dv)
+    size = cache.element_size()
+    moved = (context * (r + dr) + w_kv_b.numel() + 2 * context * h * (dn + dv) + new * h * (dn + dr + dv)) * size
+    return f"mla_prefill prefix={prefix} new={new}", run, moved, flops
