@@ -20,8 +20,13 @@ the output alone has too few tiles to keep every SM streaming; the splits write 
 Configs are per capability: SM120 and Ada have 99 KiB of shared memory per block, so their pipelines are
 shallower than Hopper's; every config the launchers can pick is listed by `gate_cases` and compiled by the gate.
 
+Alignment: the launchers require K % 16 == 0 (FP8) and K % 32 == 0 with 16-byte x rows (W4A16), true of every
+real model, and the kernels state it to the compiler; without it the tiles load element by element, are not
+software-pipelined (cp.async needs 4+ byte pieces) and the 128-wide FP8 tiles spill registers.
+
 The references (`fp8_linear_reference`, `w4a16_linear_reference`) dequantize exactly as the checkpoint readers
-do (hybrid.checkpoint, hybrid.compressed_tensors) and quantize the activations as the kernel does, bit for bit.
+do (hybrid.checkpoint, hybrid.compressed_tensors) and quantize the activations as the kernel does, bit for bit
+(the kernel rounds to e4m3 itself, so no target's conversion path can differ).
 """
 
 from __future__ import annotations
@@ -33,8 +38,6 @@ import triton
 import triton.language as tl
 
 from gpu_layers.capability import CAPABILITIES, GateCase, capability_of, select
-from hybrid.checkpoint import dequantize_fp8_block
-from hybrid.compressed_tensors import PACK_FACTOR, unpack_int4
 
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -91,31 +94,34 @@ def _round_to_e4m3(v):
 def fp8_quantize_kernel(
     x_ptr, q_ptr, scale_ptr,
     K, x_row_stride, group_size, num_groups,
-    BLOCK: tl.constexpr,
+    GROUPS: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """One program per (token, column group): scale = absmax / 448, q = e4m3(x / scale). The first BLOCK
-    columns stay in registers between the two passes; BLOCK covers a whole row of the usual sizes, so decode
-    waits on one load, not on a loop of them."""
+    """One program per token and GROUPS column groups: scale = absmax / 448, q = e4m3(x / scale) per group.
+    A group's first BLOCK columns stay in registers between the two passes; the configs make BLOCK cover a whole
+    row of the usual sizes (per-token scales) or put 16 groups of 128 in one program (block scales), so a
+    program waits on one load, not on a loop of them."""
     row = tl.program_id(0).to(tl.int64)
-    group = tl.program_id(1)
-    start = group * group_size
-    end = tl.minimum(start + group_size, K)
-    cols = tl.arange(0, BLOCK)
+    groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    starts = groups * group_size
+    ends = tl.minimum(starts + group_size, K)
+    offs = starts[:, None] + tl.arange(0, BLOCK)[None, :]  # [GROUPS, BLOCK]: each group's first columns
+    is_group = (groups < num_groups)[:, None]
     x_row = x_ptr + row * x_row_stride
-    first = tl.load(x_row + start + cols, mask=start + cols < end, other=0.0).to(tl.float32)
-    absmax = tl.abs(first)
-    for k in range(start + BLOCK, end, BLOCK):
-        absmax = tl.maximum(absmax, tl.abs(tl.load(x_row + k + cols, mask=k + cols < end, other=0.0).to(tl.float32)))
+    first = tl.load(x_row + offs, mask=is_group & (offs < ends[:, None]), other=0.0).to(tl.float32)
+    absmax = tl.max(tl.abs(first), axis=1)
+    for k in range(BLOCK, group_size, BLOCK):
+        x = tl.load(x_row + k + offs, mask=is_group & (k + offs < ends[:, None]), other=0.0).to(tl.float32)
+        absmax = tl.maximum(absmax, tl.max(tl.abs(x), axis=1))
     # IEEE division (div_rn) in both places, so the scales and values match the PyTorch reference exactly.
-    scale = tl.math.div_rn(tl.maximum(tl.max(absmax, axis=0), 1e-12), 448.0)
-    tl.store(scale_ptr + row * num_groups + group, scale)
+    scale = tl.math.div_rn(tl.maximum(absmax, 1e-12), 448.0)[:, None]
+    tl.store(scale_ptr + row * num_groups + groups[:, None], scale, mask=is_group)
     q = _round_to_e4m3(tl.clamp(tl.math.div_rn(first, scale), -448.0, 448.0))
-    tl.store(q_ptr + row * K + start + cols, q.to(tl.float8e4nv), mask=start + cols < end)
-    for k in range(start + BLOCK, end, BLOCK):
-        mask = k + cols < end
-        x = tl.load(x_row + k + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(q_ptr + row * K + offs, q.to(tl.float8e4nv), mask=is_group & (offs < ends[:, None]))
+    for k in range(BLOCK, group_size, BLOCK):
+        mask = is_group & (k + offs < ends[:, None])
+        x = tl.load(x_row + k + offs, mask=mask, other=0.0).to(tl.float32)
         q = _round_to_e4m3(tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0))
-        tl.store(q_ptr + row * K + k + cols, q.to(tl.float8e4nv), mask=mask)
+        tl.store(q_ptr + row * K + k + offs, q.to(tl.float8e4nv), mask=mask)
 
 
 @triton.jit
@@ -232,6 +238,26 @@ def splitk_reduce_kernel(
 # -------------------------------------------------------------------------------------------------- references
 
 
+PACK_FACTOR = 8  # 4-bit values per int32 word (compressed-tensors pack-quantized)
+
+
+def dequantize_fp8_block(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """weight float8 [N, K] * scale [ceil(N / bn), ceil(K / bk)] broadcast over its blocks -> float32 [N, K]."""
+    rows, cols = weight.shape
+    expanded = scale.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    return weight.float() * expanded
+
+
+def unpack_int4(packed: torch.Tensor, cols: int) -> torch.Tensor:
+    """int32 [N, ceil(K / 8)], column 8j + i in bits 4i..4i+3 stored as value + 8 -> int8 values [N, K]. Written
+    here, not imported from the engine's loader: kernels never import the engine, and the test oracle stays
+    independent of the code that loads the weights."""
+    words = packed.to(torch.int64) & 0xFFFFFFFF
+    shifts = torch.arange(PACK_FACTOR, dtype=torch.int64, device=packed.device) * 4
+    nibbles = (words.unsqueeze(-1) >> shifts) & 0xF  # [N, K / 8, 8]
+    return (nibbles.flatten(1)[:, :cols] - 8).to(torch.int8)
+
+
 def fp8_quantize_reference(x: torch.Tensor, group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, K] -> (float8_e4m3fn [T, K], float32 scales [T, ceil(K / group)]), groups of `group_size` columns
     (None: the whole row); scale = max(absmax, 1e-12) / 448, q = e4m3(clamp(x / scale)), as the kernel does."""
@@ -271,7 +297,7 @@ def w4a16_linear_reference(
     """`w4a16_linear` in PyTorch: w = ((nibble - 8) * scale) in x's dtype, then a float32 matmul."""
     num_cols = x.shape[1]
     group_size = group_size or num_cols
-    values = unpack_int4(weight_packed.cpu(), num_cols).to(x.device)  # unpack_int4 builds its shifts on the CPU
+    values = unpack_int4(weight_packed, num_cols)
     scale = weight_scale.float().repeat_interleave(group_size, dim=1)[:, :num_cols]
     w = (values.float() * scale).to(x.dtype)
     y = x.float() @ w.float().T
@@ -282,9 +308,10 @@ def w4a16_linear_reference(
 
 
 # Memory-bound row kernels with no shared memory to speak of: the same entry for every target, keyed so that one
-# can be tuned alone. fp8_quantize_kernel: BLOCK (the smallest covering the group, else the largest) -> warps.
-QUANT_CONFIGS = {cc: {128: dict(num_warps=1), 2048: dict(num_warps=4), 8192: dict(num_warps=16)}
-                 for cc in CAPABILITIES}
+# can be tuned alone. fp8_quantize_kernel: BLOCK (the smallest covering the group, else the largest) -> config;
+# each program quantizes about 2K-8K values.
+QUANT_CONFIGS = {cc: {128: dict(GROUPS=16, num_warps=4), 2048: dict(GROUPS=1, num_warps=4),
+                      8192: dict(GROUPS=1, num_warps=16)} for cc in CAPABILITIES}
 REDUCE_CONFIGS = {cc: dict(BLOCK_S=8, BLOCK_N=256, num_warps=4) for cc in CAPABILITIES}
 
 
@@ -383,8 +410,8 @@ def fp8_quantize(x: torch.Tensor, group_size: int | None = None) -> tuple[torch.
     configs = select(QUANT_CONFIGS, capability_of(x.device))
     block = next((b for b in sorted(configs) if b >= min(group_size, num_cols)), max(configs))
     config = configs[block]
-    fp8_quantize_kernel[(num_tokens, num_groups)](x, q, scale, num_cols, x.stride(0), group_size, num_groups,
-                                                  BLOCK=block, **config)
+    grid = (num_tokens, triton.cdiv(num_groups, config["GROUPS"]))
+    fp8_quantize_kernel[grid](x, q, scale, num_cols, x.stride(0), group_size, num_groups, BLOCK=block, **config)
     return q, scale
 
 
@@ -517,7 +544,8 @@ def gate_cases() -> list[GateCase]:
             for block, config in QUANT_CONFIGS[cc].items():
                 cases.append(_gate_case(fp8_quantize_kernel, {"x_ptr": f"*{dtype}", "q_ptr": "*fp8e4nv",
                                         "scale_ptr": "*fp32"}, ("K", "x_row_stride", "group_size", "num_groups"),
-                                        {"BLOCK": block}, cc, f"fp8_quantize {dtype} BLOCK={block}", config))
+                                        {"GROUPS": config["GROUPS"], "BLOCK": block}, cc,
+                                        f"fp8_quantize {dtype} BLOCK={block}", config))
             for has_bias in (False, True):
                 cases.append(_gate_case(splitk_reduce_kernel, {"partial_ptr": "*fp32", "bias_ptr": f"*{dtype}",
                                         "c_ptr": f"*{dtype}"}, ("M", "N", "c_row_stride", "num_splits"),

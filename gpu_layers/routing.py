@@ -7,8 +7,8 @@ score + correction bias), pick the top-k experts by score + bias, weight them by
 renormalise, then scale. Both launchers run the same kernel; softmax_topk is grouped routing with softmax scoring,
 no bias, no groups and scale 1.
 
-A token's E <= 512 experts sit in one warp's registers (BLOCK_E = next_power_of_2(E)), so the repeated argmax
-passes are warp shuffles with no shared memory. Ties go to the lowest expert index (the order of ids in a row is
+A token's E <= 512 experts sit in one warp's registers (two past 256; BLOCK_E = next_power_of_2(E)), so the argmax
+passes are (mostly) warp shuffles. Ties go to the lowest expert index (the order of ids in a row is
 the selection order; callers must not rely on it). Flags are ints (the interpreter takes no bool arguments) and
 runtime ints that are often 1 are not specialised, so the compiled variants are exactly the ones the gate checks.
 Loops over runtime counts are `while` loops: Triton 3.6's interpreter cannot take range() of a kernel argument

@@ -2,59 +2,14 @@
 W4A16 linear with groups of 32 and 128 and per-channel scales, both regimes (decode with and without split-K,
 prefill), bias, strided x and out, awkward shapes, the launchers' argument checks, and the gate case list."""
 
-import numpy as np
 import pytest
 import torch
 import triton
-import triton.language as tl
 from gpu_support import DEVICE, IS_INTERPRETED, poisoned
 
 from gpu_layers import linear
 from gpu_layers.capability import CAPABILITIES
 from hybrid.compressed_tensors import pack_int4
-
-
-@pytest.fixture(autouse=True)
-def interpreter_fixes(monkeypatch):
-    """Defects of Triton 3.6's interpreter (with NumPy 2.4), patched for these tests only (as in
-    test_gpu_fused_moe.py):
-    - float32 -> float8/bfloat16 casts do not round (float8 even drops the mantissa carry: 124.4 becomes 64), so
-      they go through torch, which rounds to nearest even like the GPU (the kernels clamp to +-448 first);
-    - tl.dot of bfloat16 multiplies the raw bits as integers, so bfloat16 operands are widened to float32 first;
-    - a scalar is a 1-element array and `int()` of one is an error since NumPy 2.3, which breaks every loop with a
-      run-time bound; `__index__` is made to take the element."""
-    if not IS_INTERPRETED:
-        return
-    from triton.runtime import interpreter
-
-    convert_float = interpreter._convert_float
-    patch_lang_tensor = interpreter._patch_lang_tensor
-    create_dot = interpreter.InterpreterBuilder.create_dot
-    by_torch = {tl.float8e4nv: torch.float8_e4m3fn, tl.bfloat16: torch.bfloat16}
-
-    def convert(data, input_dtype, output_dtype, rounding_mode):
-        if output_dtype in by_torch and input_dtype == tl.float32:
-            rounded = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32)).to(by_torch[output_dtype])
-            bits = torch.uint8 if output_dtype == tl.float8e4nv else torch.uint16
-            return rounded.view(bits).numpy().reshape(data.shape)
-        return convert_float(data, input_dtype, output_dtype, rounding_mode)
-
-    def widen(operand):
-        if operand.dtype.scalar != tl.bfloat16:
-            return operand
-        data = convert_float(operand.data, tl.bfloat16, tl.float32, None).view(np.float32)
-        return interpreter.TensorHandle(data, tl.float32)
-
-    def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        return create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
-
-    def patch_tensor(tensor, scope):
-        patch_lang_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-
-    monkeypatch.setattr(interpreter, "_convert_float", convert)
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", dot)
-    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patch_tensor)
 
 
 def make_x(num_tokens, num_cols, dtype, seed=0, row_stride=None):
@@ -107,7 +62,7 @@ def check_linear(out, expected):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("group_size", [None, 128])
+@pytest.mark.parametrize("group_size", [None, 128, 256])
 def test_fp8_quantize_is_bit_exact(dtype, group_size):
     x = make_x(5, 320, dtype, row_stride=352)
     x[1] = 0  # an all-zero row still gets a positive scale and zero codes
@@ -118,12 +73,14 @@ def test_fp8_quantize_is_bit_exact(dtype, group_size):
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
 
 
-def test_fp8_quantize_rows_longer_than_a_block():
-    """K = 8400 > the largest BLOCK: the kernel loops over the rest of the row, twice."""
+@pytest.mark.parametrize("group_size", [None, 128])
+def test_fp8_quantize_long_rows(group_size):
+    """K = 8400: per token, longer than the largest BLOCK (the kernel loops over the rest of the row, twice);
+    in 128-column groups, 66 groups over several programs, the last one partial."""
     x = make_x(2, 8400, torch.bfloat16)
     x[1, -1] = 500.0  # the row's maximum in its last, partial block
-    q, scale = linear.fp8_quantize(x)
-    q_ref, scale_ref = linear.fp8_quantize_reference(x)
+    q, scale = linear.fp8_quantize(x, group_size)
+    q_ref, scale_ref = linear.fp8_quantize_reference(x, group_size)
     assert torch.equal(scale, scale_ref)
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
 
