@@ -126,20 +126,21 @@ def gate_up_grouped(cfg, gate, up, gate_s, up_s, experts, offsets, pair_token, c
                 num_k = min(steps, (hidden - g * group) // TILE_BYTES)
                 _block(a_gate, g * group, a_up, g * group, hidden, x_v, b_off + g * steps * b_step, b_step, num_k,
                        num_b, False, c)
-                _scale_add_pair(c, acc, num_b, gate_s, up_s, e, rb * TILE_ROWS, g)
+                _scale_add(c, acc, num_b, gate_s, rb * TILE_ROWS, up_s, rb * TILE_ROWS, e, g)
             _act_from_acc(acc, min(num_b * TILE_ROWS, m - ct * TILE_ROWS), p0 + ct * TILE_ROWS, rb * TILE_ROWS,
                           pair_token, x_scale, act)
         _tile_end()
 
 
 @njit(fastmath=True, cache=True)
-def _scale_add_pair(c, acc, num_b, gate_s, up_s, e, row0, g):
-    """acc += C, gate tiles (A0) scaled by gate's group scales, up tiles (A1) by up's."""
+def _scale_add(c, acc, num_b, scales0, row0, scales1, row1, e, g):
+    """acc += C with each tile row scaled by its weight row's group-g scale: tiles alternate A0, A1 per column tile
+    (`prefill_amx._tiles_codegen`); A0's rows start at row0 of scales0, A1's at row1 of scales1."""
     for t in range(2 * num_b):
-        scales = gate_s if t % 2 == 0 else up_s
+        scales, first = (scales0, row0) if t % 2 == 0 else (scales1, row1)
         base = t * TILE_ROWS * TILE_ROWS
         for r in range(TILE_ROWS):
-            s = scales[e, row0 + r, g]
+            s = scales[e, first + r, g]
             at = base + r * TILE_ROWS
             for col in range(TILE_ROWS):
                 acc[at + col] += np.float32(c[at + col]) * s
@@ -182,23 +183,10 @@ def down_grouped(cfg, down, down_s, experts, offsets, pair_token, pair_weight, c
                         num_k = min(steps, (rows - g * group) // TILE_BYTES)
                         _block(a, g * group, a, TILE_ROWS * rows + g * group, rows, a_v, b_off + g * steps * b_step,
                                b_step, num_k, num_b, False, c)
-                        _scale_add_rows(c, acc, num_b, down_s, e, h0, g)
+                        _scale_add(c, acc, num_b, down_s, h0, down_s, h0 + TILE_ROWS, e, g)
                     _down_from_acc(acc, min(num_b * TILE_ROWS, m - ct * TILE_ROWS), p0 + ct * TILE_ROWS, h0,
                                    pair_token, pair_weight, a_scale, out)
         _tile_end()
-
-
-@njit(fastmath=True, cache=True)
-def _scale_add_rows(c, acc, num_b, down_s, e, h0, g):
-    """acc += C with the group scales of rows h0.. (A0: rows h0..h0 + 15, A1: h0 + 16..h0 + 31)."""
-    for t in range(2 * num_b):
-        first = h0 + (t % 2) * TILE_ROWS
-        base = t * TILE_ROWS * TILE_ROWS
-        for r in range(TILE_ROWS):
-            s = down_s[e, first + r, g]
-            at = base + r * TILE_ROWS
-            for col in range(TILE_ROWS):
-                acc[at + col] += np.float32(c[at + col]) * s
 
 
 @njit(fastmath=True, cache=True)

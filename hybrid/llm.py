@@ -16,7 +16,6 @@ from hybrid.engine_config import EngineConfig
 from hybrid.forward_batch import ForwardBatch, SequenceSlice
 from hybrid.kv_cache import allocate_kv_cache
 from hybrid.layers.backends import Backends
-from hybrid.layers.mlp import GatedMLP
 from hybrid.loader import load_weights
 from hybrid.models import load_model_config
 from hybrid.models.base import MoECausalLM
@@ -54,14 +53,14 @@ class LLM:
         is_converted = read_manifest(Path(path)) is not None
         int8_activations = expert_activations == "int8"
         make_experts = partial(cpu_experts_factory, int8_activations=int8_activations) if is_converted else None
-        backends = Backends.for_device(device, self.config, block_size, kernels,
-                                       **({"make_experts": make_experts} if make_experts else {}))
+        backends = Backends.for_device(device, self.config, block_size, self.engine_config.torch_dtype, kernels,
+                                       make_experts)
         self.model = build_model(cls, self.config, self.engine_config, backends)
         partitions = numa_partitions or len(discover_nodes())
         load_weights(self.model, path, partitions)
         for module in self.model.modules():
-            if isinstance(module, GatedMLP):
-                module.fuse_gate_up()  # the kernels' [2I, H] layout, when the ops use it
+            if hasattr(module, "fuse_gate_up"):
+                module.fuse_gate_up()  # the kernels' stacked gate/up layout (MLPs: only when the ops use it)
         self.max_model_len = max_model_len or min(self.config.max_position_embeddings, 4096)
         num_blocks = blocks_needed(self.max_model_len, block_size)
         self.allocator = BlockAllocator(num_blocks)

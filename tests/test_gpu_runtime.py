@@ -3,17 +3,19 @@ paged GQA and MLA attention) against transformers, on checkpoints whose head sha
 
 Without a GPU the kernels run under Triton's interpreter on the CPU (tests/conftest.py), on a GPU as compiled:
 float32 prefill logits (a prompt crossing a KV page) and greedy generation (decode through the split-K kernels)
-for every family against transformers; on a GPU also bf16 against the PyTorch path."""
+for every family against transformers, and bf16 (routed experts through the fused-MoE kernel) against the PyTorch
+path's own bf16 error."""
 
 from __future__ import annotations
 
 import pytest
 import transformers
 from checkpoints import SEEDS, VARIANTS, hf_generate, hf_logits, make_checkpoint, prompt
-from gpu_support import DEVICE, IS_INTERPRETED
+from gpu_support import DEVICE
 
 from hybrid import LLM
 from hybrid.layers.backends import TritonAttentionBackend
+from hybrid.layers.moe import TritonExperts
 
 transformers.logging.set_verbosity_error()
 REL_TOL = 1e-4  # float32 end to end (the attention kernels' float32 dots are exact, not tf32)
@@ -58,17 +60,19 @@ def test_greedy_generation_matches_transformers(tmp_path, name):
     assert llm.generate(ids, 8, ignore_eos=True) == hf_generate(model, ids, 8)
 
 
-@pytest.mark.skipif(IS_INTERPRETED, reason="bf16 on the GPU")
 @pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])
 def test_bf16_kernels_are_as_close_as_the_pytorch_path(tmp_path, name):
-    """In bf16 neither path equals the float32 model; the kernels must not be further from it than PyTorch's own
-    bf16 computation is (both within 1.5x of each other's error)."""
+    """bf16, where the routed experts run through the fused-MoE kernel: neither path equals the float32 model, and
+    the kernels must not be further from it than PyTorch's own bf16 computation is (within 1.5x of its error)."""
     model = _checkpoint(tmp_path, name).to(DEVICE)
     ids = prompt(40, seed=6)
     ref = hf_logits(model, ids).to(DEVICE)
 
     def error(kernels: str) -> float:
-        logits = LLM(tmp_path, device="cuda", dtype="bfloat16", kernels=kernels).prefill_logits(ids)
+        llm = LLM(tmp_path, device=str(DEVICE), dtype="bfloat16", kernels=kernels)
+        experts = llm.model.model.layers[1].mlp.experts
+        assert isinstance(experts, TritonExperts) == (kernels == "triton")
+        logits = llm.prefill_logits(ids)
         return float((logits - ref).norm() / ref.norm())
 
     ours, plain = error("triton"), error("torch")

@@ -20,7 +20,7 @@ from torch import nn
 from gpu_layers import reference
 from hybrid.config import AttentionConfig, ModelConfig
 from hybrid.forward_batch import ForwardBatch
-from hybrid.layers.moe import TorchExperts
+from hybrid.layers.moe import TorchExperts, TritonExperts
 from hybrid.layers.ops import TORCH_OPS, DenseOps, dense_ops_for
 
 
@@ -120,6 +120,11 @@ def default_experts_factory(layer_idx: int, config: ModelConfig) -> nn.Module:
     return TorchExperts(moe.num_experts, config.hidden_size, moe.intermediate_size, moe.expert_proj_names)
 
 
+def triton_experts_factory(layer_idx: int, config: ModelConfig) -> nn.Module:
+    moe = config.moe
+    return TritonExperts(moe.num_experts, config.hidden_size, moe.intermediate_size, moe.expert_proj_names)
+
+
 @dataclass(frozen=True)
 class Backends:
     attention: TorchAttentionBackend | TritonAttentionBackend = field(default_factory=TorchAttentionBackend)
@@ -127,11 +132,17 @@ class Backends:
     ops: DenseOps = TORCH_OPS
 
     @classmethod
-    def for_device(cls, device: torch.device | str, config: ModelConfig, block_size: int, kernels: str = "auto",
-                   make_experts: ExpertsFactory = default_experts_factory) -> Backends:
-        """`kernels`: "auto" (the Triton kernels on CUDA, PyTorch elsewhere), "triton" or "torch"."""
+    def for_device(cls, device: torch.device | str, config: ModelConfig, block_size: int, dtype: torch.dtype,
+                   kernels: str = "auto", make_experts: ExpertsFactory | None = None) -> Backends:
+        """`kernels`: "auto" (the Triton kernels on CUDA, PyTorch elsewhere), "triton" or "torch".
+        `make_experts` None: the model's own routed experts on `device`, through the fused-MoE kernel where the
+        kernels run in bf16/fp16, else the PyTorch reference."""
         ops = dense_ops_for(device, kernels)
+        is_triton = ops is not TORCH_OPS
         attention = TorchAttentionBackend()
-        if ops is not TORCH_OPS and TritonAttentionBackend.supports(config.attention, block_size):
+        if is_triton and TritonAttentionBackend.supports(config.attention, block_size):
             attention = TritonAttentionBackend()
+        if make_experts is None:
+            is_fused = is_triton and dtype in (torch.bfloat16, torch.float16)
+            make_experts = triton_experts_factory if is_fused else default_experts_factory
         return cls(attention=attention, make_experts=make_experts, ops=ops)

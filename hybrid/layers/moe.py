@@ -74,6 +74,33 @@ class TorchExperts(nn.Module):
         return moe_reference(hidden, gate, up, down, topk_ids, topk_weights)
 
 
+class TritonExperts(TorchExperts):
+    """The routed experts on the GPU through `gpu_layers.fused_moe` (bf16/fp16). After loading, `fuse_gate_up`
+    stacks gate and up into one [E, 2I, H] weight, the kernel's layout; the two parameters become its views, so
+    the checkpoint names still address them and no memory is added."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.w_gate_up: torch.Tensor | None = None
+
+    def fuse_gate_up(self) -> None:
+        if self.w_gate_up is not None:
+            return
+        gate, up, _ = (getattr(self, n) for n in self.proj_names)
+        inter = gate.shape[1]
+        fused = torch.cat((gate.data, up.data), dim=1)  # [E, 2I, H]
+        gate.data, up.data = fused[:, :inter], fused[:, inter:]
+        self.w_gate_up = fused
+
+    def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        from gpu_layers.fused_moe import fused_moe
+
+        if self.w_gate_up is None:  # not loaded through `LLM` (which fuses after loading)
+            return super().forward(hidden, topk_ids, topk_weights)
+        down = getattr(self, self.proj_names[2])
+        return fused_moe(hidden, self.w_gate_up, down, topk_ids, topk_weights.float().contiguous())
+
+
 class SparseMoE(nn.Module):
     """`shared_name` follows the checkpoint: `shared_experts` (DeepSeek, GLM) or `shared_expert` (Qwen2-MoE,
     which also has a sigmoid `shared_expert_gate`)."""
