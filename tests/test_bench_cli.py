@@ -21,6 +21,25 @@ def test_usage_lists_the_benchmarks(capsys):
     assert "convert" in capsys.readouterr().err
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+def test_kernels_benchmark_needs_a_gpu(capsys):
+    assert main(["kernels"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().out
+
+
+def test_every_kernel_module_has_bench_cases():
+    """`hybrid-bench kernels` covers every kernel module of gpu_layers (a new one must join its list)."""
+    import importlib
+    import pkgutil
+
+    import gpu_layers
+    from gpu_layers.bench import MODULES
+
+    with_cases = {m.name for m in pkgutil.iter_modules(gpu_layers.__path__)
+                  if hasattr(importlib.import_module(f"gpu_layers.{m.name}"), "bench_cases")}
+    assert with_cases == set(MODULES)
+
+
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_synthetic_shapes_are_the_released_models(tmp_path, shape):
     layers, billions = RELEASED[shape]
