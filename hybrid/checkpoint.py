@@ -3,8 +3,10 @@
 A checkpoint stores some weights as several tensors: DeepSeek FP8 `X.weight` + `X.weight_scale_inv`, or the
 compressed-tensors forms (`X.weight` + `X.weight_scale` for FP8, `X.weight_packed` + `X.weight_scale` +
 `X.weight_shape` for packed INT4). `Checkpoint` groups them under the logical name `X.weight`, so the loader and
-the converter see one tensor per parameter; `read` returns it dequantized (float32) and `read_raw` the stored
-parts. Files are read with `hybrid.safetensors_io` (one tensor at a time, nothing mapped).
+the converter see one tensor per parameter; `read` returns it dequantized (float32), `read_raw` one stored tensor
+and `read_parts` / `part_infos` all of a logical tensor's stored parts (or their headers) by their suffix after the
+module's name (`weight`, `weight_scale_inv`, `weight_packed`, ...), for modules that keep them quantized. Files
+are read with `hybrid.safetensors_io` (one tensor at a time, nothing mapped).
 """
 
 from __future__ import annotations
@@ -67,6 +69,16 @@ class Checkpoint:
 
     def read_raw(self, stored: str) -> torch.Tensor:
         return self.files[stored].read(stored)
+
+    def part_infos(self, name: str) -> dict[str, TensorInfo]:
+        """The headers of logical tensor `name`'s stored parts, by suffix (`X.weight_scale` -> `weight_scale`)."""
+        prefix = name.rpartition(".")[0] + "."
+        return {stored[len(prefix):]: self.info(stored) for stored in self.parts[name]}
+
+    def read_parts(self, name: str) -> dict[str, torch.Tensor]:
+        """The stored parts of logical tensor `name` as stored (nothing dequantized), by suffix."""
+        prefix = name.rpartition(".")[0] + "."
+        return {stored[len(prefix):]: self.read_raw(stored) for stored in self.parts[name]}
 
     def read(self, name: str) -> torch.Tensor:
         """The logical tensor `name`: as stored, or dequantized to float32 when stored quantized."""

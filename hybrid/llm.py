@@ -57,7 +57,7 @@ class LLM:
                                        make_experts)
         self.model = build_model(cls, self.config, self.engine_config, backends)
         partitions = numa_partitions or len(discover_nodes())
-        load_weights(self.model, path, partitions)
+        load_weights(self.model, path, partitions, keep_quantized=backends.keep_quantized)
         for module in self.model.modules():
             if hasattr(module, "fuse_gate_up"):
                 module.fuse_gate_up()  # the kernels' stacked gate/up layout (MLPs: only when the ops use it)

@@ -2,8 +2,11 @@
 
 Tensors are read one at a time (`hybrid.checkpoint`), so the peak extra memory is one tensor; quantized source
 weights (DeepSeek FP8 blocks, compressed-tensors FP8 / packed INT4, converted INT8/INT4 experts) are dequantized
-on the CPU. Before anything is copied, the set of checkpoint tensors is compared with what the model expects: a
-missing, unexpected or mis-shaped tensor is a `CheckpointError` naming it.
+on the CPU, except where the GPU kernels take them as stored: with `keep_quantized`, dense Linear layers whose
+weight is stored in a form `gpu_layers.linear` multiplies become `QuantizedLinear`s before the names are checked
+(`hybrid.layers.quantized_linear`), and receive the stored parts as read (`load_parts`). Before anything is
+copied, the set of checkpoint tensors is compared with what the model expects: a missing, unexpected or
+mis-shaped tensor is a `CheckpointError` naming it.
 """
 
 from __future__ import annotations
@@ -15,20 +18,24 @@ import torch
 from hybrid import converted
 from hybrid.checkpoint import Checkpoint, dequantize_fp8_block
 from hybrid.errors import CheckpointError
+from hybrid.layers.quantized_linear import place_quantized_linears
 
 __all__ = ["load_weights", "open_sources", "check_names", "dequantize_fp8_block"]
 
 
-def open_sources(model, checkpoint_dir: str | Path) -> tuple[dict[str, object], converted.ConvertedExperts | None]:
+def open_sources(model, checkpoint_dir: str | Path, keep_quantized: bool = False
+                 ) -> tuple[dict[str, object], converted.ConvertedExperts | None]:
     """Logical tensor name -> the source that reads it (`Checkpoint` or converted experts), names checked; and the
     converted experts, if any. Expert tensors count only when the model has parameters for them (the CPU
-    operator takes the packed files instead)."""
+    operator takes the packed files instead). `keep_quantized`: place `QuantizedLinear`s first (see above)."""
     checkpoint_dir = Path(checkpoint_dir)
     config = model.config
     manifest = converted.read_manifest(checkpoint_dir)
     experts = converted.ConvertedExperts(checkpoint_dir, manifest, model) if manifest else None
     ckpt = Checkpoint.open(checkpoint_dir, config.fp8_block_size, config.compressed_tensors,
                            exclude=experts.file_names() if experts else ())
+    if keep_quantized:
+        place_quantized_linears(model, ckpt)
     sources: dict[str, object] = {name: ckpt for name in ckpt.parts}
     targets = model.checkpoint_targets()
     if experts:
@@ -37,10 +44,11 @@ def open_sources(model, checkpoint_dir: str | Path) -> tuple[dict[str, object], 
     return sources, experts
 
 
-def load_weights(model, checkpoint_dir: str | Path, num_partitions: int = 1) -> None:
+def load_weights(model, checkpoint_dir: str | Path, num_partitions: int = 1, keep_quantized: bool = False) -> None:
     """Copies every checkpoint tensor into `model` (a `MoECausalLM`), checking names and shapes first; CPU
-    experts of a converted directory receive their packed files, split into `num_partitions`."""
-    sources, experts = open_sources(model, checkpoint_dir)
+    experts of a converted directory receive their packed files, split into `num_partitions`. `keep_quantized`
+    (the Triton ops in bf16/fp16): quantized dense weights the kernels take stay as stored."""
+    sources, experts = open_sources(model, checkpoint_dir, keep_quantized)
     targets = model.checkpoint_targets()
     present = sorted(name for name in sources if not model.is_ignored_tensor(name))
     for name in present:  # shapes from the headers first, so a bad one fails before the long copy
@@ -48,12 +56,22 @@ def load_weights(model, checkpoint_dir: str | Path, num_partitions: int = 1) -> 
         if shape is not None:
             _check_shape(sources[name], name, shape, targets[name])
     for name in present:
+        if hasattr(targets[name], "load_parts"):  # a module keeping the stored (quantized) parts as they are
+            _load_parts(sources[name], name, targets[name])
+            continue
         tensor = sources[name].read(name)
         _check_shape(sources[name], name, tuple(tensor.shape), targets[name])
         with torch.no_grad():
             targets[name].copy_(tensor)
     if experts is not None:
         converted.load_cpu_experts(model, experts, num_partitions)
+
+
+def _load_parts(source, name: str, module) -> None:
+    try:
+        module.load_parts(source.read_parts(name))
+    except ValueError as exc:
+        raise CheckpointError(f"{source.file_of(name)}: '{name}': {exc}") from None
 
 
 def _check_shape(source, name: str, shape: tuple[int, ...], target: torch.Tensor) -> None:

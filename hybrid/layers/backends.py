@@ -4,6 +4,8 @@
   (`TorchAttentionBackend`, the CPU path and the oracle) or the Triton kernels of `gpu_layers`
   (`TritonAttentionBackend`, on CUDA, where the model's head shapes are ones the kernels take).
 - The dense operations (norms, rotary, activation, routers) are one `DenseOps` table (`hybrid.layers.ops`).
+- `keep_quantized`: with the Triton ops in bf16/fp16, dense Linear weights stored quantized (FP8, W4A16) stay so
+  and run through `gpu_layers.linear` (the loader places `hybrid.layers.quantized_linear.QuantizedLinear`s).
 - An experts factory builds the routed-experts module of each MoE layer: anything with
   `forward(hidden [T, H], topk_ids [T, K], topk_weights [T, K]) -> [T, H]`. Which experts run where
   (GPU-resident or CPU) is decided by the factory from placement data, not inside the layers.
@@ -130,6 +132,8 @@ class Backends:
     attention: TorchAttentionBackend | TritonAttentionBackend = field(default_factory=TorchAttentionBackend)
     make_experts: ExpertsFactory = default_experts_factory
     ops: DenseOps = TORCH_OPS
+    # Dense Linear layers keep quantized checkpoint weights for the Triton GEMMs (hybrid.layers.quantized_linear)
+    keep_quantized: bool = False
 
     @classmethod
     def for_device(cls, device: torch.device | str, config: ModelConfig, block_size: int, dtype: torch.dtype,
@@ -142,7 +146,7 @@ class Backends:
         attention = TorchAttentionBackend()
         if is_triton and TritonAttentionBackend.supports(config.attention, block_size):
             attention = TritonAttentionBackend()
+        is_half_kernels = is_triton and dtype in (torch.bfloat16, torch.float16)  # what the GEMM kernels take
         if make_experts is None:
-            is_fused = is_triton and dtype in (torch.bfloat16, torch.float16)
-            make_experts = triton_experts_factory if is_fused else default_experts_factory
-        return cls(attention=attention, make_experts=make_experts, ops=ops)
+            make_experts = triton_experts_factory if is_half_kernels else default_experts_factory
+        return cls(attention=attention, make_experts=make_experts, ops=ops, keep_quantized=is_half_kernels)

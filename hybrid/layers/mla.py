@@ -9,6 +9,7 @@ from torch import nn
 from hybrid.config import AttentionConfig
 from hybrid.forward_batch import ForwardBatch
 from hybrid.layers.norm import RMSNorm
+from hybrid.layers.quantized_linear import MatrixLinear
 from hybrid.layers.rotary import RotaryEmbedding
 
 # The DeepSeek checkpoints' low-rank norms use a fixed epsilon, not the model's rms_norm_eps.
@@ -30,7 +31,8 @@ class MLAAttention(nn.Module):
         self.kv_a_proj_with_mqa = nn.Linear(hidden_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, LORA_NORM_EPS, rotary.ops)
         kv_b_size = cfg.num_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
-        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, kv_b_size, bias=False)
+        # its weight goes to the attention kernels as a matrix: always dequantized, never a QuantizedLinear
+        self.kv_b_proj = MatrixLinear(cfg.kv_lora_rank, kv_b_size, bias=False)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.v_head_dim, hidden_size, bias=cfg.has_o_bias)
         self.rotary = rotary
         self.backend = backend

@@ -1,7 +1,8 @@
 """SiLU-gated MLP: down(silu(gate(x)) * up(x)). Used for dense layers and shared experts.
 
 With the kernels' ops (`DenseOps.is_fused_gate_up`), `fuse_gate_up` (called once after loading) puts gate and up in
-one [2I, H] weight whose halves the two Linear weights then view, so one matmul feeds `silu_and_mul`."""
+one [2I, H] weight whose halves the two Linear weights then view, so one matmul feeds `silu_and_mul`. Projections
+that keep quantized weights (`QuantizedLinear`, placed by the loader) stay two GEMMs."""
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +21,8 @@ class GatedMLP(nn.Module):
         self.gate_up_weight: torch.Tensor | None = None
 
     def fuse_gate_up(self) -> None:
-        if not self.ops.is_fused_gate_up or self.gate_up_weight is not None:
+        is_plain = isinstance(self.gate_proj, nn.Linear) and isinstance(self.up_proj, nn.Linear)
+        if not self.ops.is_fused_gate_up or self.gate_up_weight is not None or not is_plain:
             return
         fused = torch.cat((self.gate_proj.weight.data, self.up_proj.weight.data))  # [2I, H]
         inter = self.gate_proj.weight.shape[0]

@@ -125,14 +125,15 @@ class MoECausalLM(nn.Module):
 
 def checkpoint_targets_of(root: nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:
     """Checkpoint name -> destination tensor for the parameters and buffers of `root` (named under `prefix`);
-    modules with their own `checkpoint_targets` (stacked experts) map their per-expert names."""
+    modules with their own `checkpoint_targets` (stacked experts, quantized Linears) map the names under them."""
     targets: dict[str, torch.Tensor] = {}
     stacked: set[str] = set()
     for module_name, module in root.named_modules(prefix=prefix.rstrip(".")):
         if hasattr(module, "checkpoint_targets") and module is not root:
             for suffix, tensor in module.checkpoint_targets():
                 targets[f"{module_name}.{suffix}"] = tensor
-            stacked.update(f"{module_name}.{n}" for n, _ in module.named_parameters(recurse=False))
+            own = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+            stacked.update(f"{module_name}.{n}" for n, _ in own)
     for name, tensor in root.state_dict(prefix=prefix, keep_vars=True).items():
         if name not in stacked:
             targets[name] = tensor.data
