@@ -1,0 +1,131 @@
+"""The token-budget scheduler: which requests run in the next step, and how many of their tokens.
+
+Each step has a budget of `max_num_batched_tokens` and `max_num_seqs`. Running requests come first, oldest first:
+a decoding request takes one token, a request still in its prompt takes a chunk of it (chunked prefill), so long
+prompts never stall the decodes beside them. Waiting requests are admitted after that while budget and KV pages
+last; a request's cached prefix (`PrefixCachingBlockManager.match_prefix`) is not recomputed. When a running
+request needs a page and none is free, the newest running request is preempted: its pages are freed and it waits
+again at the head of the queue, to be recomputed (its tokens so far are kept). Nothing here touches torch.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from hybrid.block_manager import PrefixCachingBlockManager, blocks_needed
+from hybrid.sampling import SamplingParams
+
+
+@dataclass
+class Request:
+    request_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    stop_token_ids: frozenset[int] = frozenset()
+    output_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose KV is in the cache
+    num_cached: int = 0  # of those, how many came from the prefix cache when it was admitted
+    finish_reason: str | None = None  # "stop", "length" or "cancelled"
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    request: Request
+    num_new: int  # tokens run this step, from request.num_computed on
+
+    @property
+    def is_last(self) -> bool:
+        """The chunk reaches the request's last known token: its logits sample the next one."""
+        return self.request.num_computed + self.num_new == self.request.num_tokens
+
+
+class Scheduler:
+    def __init__(self, blocks: PrefixCachingBlockManager, max_num_batched_tokens: int, max_num_seqs: int):
+        if max_num_batched_tokens < 1 or max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        self.blocks = blocks
+        self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, request: Request) -> None:
+        needed = blocks_needed(len(request.prompt_ids) + request.max_tokens, self.blocks.block_size)
+        if needed > self.blocks.num_blocks:
+            raise ValueError(f"request {request.request_id} needs {needed} KV pages, the cache has "
+                             f"{self.blocks.num_blocks}: shorten the prompt or max_tokens")
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledChunk]:
+        budget = self.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request not in self.running:  # preempted by an older request in this loop
+                continue
+            num_new = min(request.num_tokens - request.num_computed, budget)
+            if not self._reserve(request, num_new, preempt=True):
+                continue
+            chunks.append(ScheduledChunk(request, num_new))
+            budget -= num_new
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            cached = self.blocks.match_prefix(request.token_ids)
+            request.block_table, request.num_computed = cached, len(cached) * self.blocks.block_size
+            request.num_cached = request.num_computed
+            num_new = min(request.num_tokens - request.num_computed, budget)
+            if not self._reserve(request, num_new, preempt=False):
+                self._release(request)
+                break  # first come, first served: nothing overtakes the head of the queue
+            self.waiting.popleft()
+            self.running.append(request)
+            chunks.append(ScheduledChunk(request, num_new))
+            budget -= num_new
+        return chunks
+
+    def _reserve(self, request: Request, num_new: int, preempt: bool) -> bool:
+        """Pages for request's next num_new tokens; with `preempt`, newer running requests give theirs up."""
+        missing = blocks_needed(request.num_computed + num_new, self.blocks.block_size) - len(request.block_table)
+        while missing > self.blocks.num_free:
+            victim = self.running[-1] if preempt and self.running else None
+            if victim is None or victim is request:
+                return False
+            self.preempt(victim)
+        if missing > 0:
+            request.block_table += self.blocks.allocate(missing)
+        return True
+
+    def preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self._release(request)
+        self.waiting.appendleft(request)
+
+    def finish(self, request: Request, reason: str) -> None:
+        request.finish_reason = reason
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self._release(request)
+
+    def _release(self, request: Request) -> None:
+        self.blocks.free(request.block_table)
+        request.block_table, request.num_computed = [], 0

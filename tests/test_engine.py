@@ -1,0 +1,121 @@
+"""The engine loop on the CPU (float32, tiny Qwen3-MoE and DeepSeek-V3 checkpoints): continuous batching gives each
+request exactly the tokens it gets alone, a prefix-cache hit gives identical output, cancellation frees every page,
+and running out of KV pages queues requests instead of failing them."""
+
+from __future__ import annotations
+
+import pytest
+from checkpoints import SEEDS, VARIANTS, make_checkpoint, prompt
+
+from hybrid import LLM
+from hybrid.block_manager import PrefixCachingBlockManager
+from hybrid.engine import Engine
+from hybrid.sampling import SamplingParams, apply_penalties
+
+PROMPTS = [prompt(n, seed=300 + n) for n in (1, 5, 16, 17, 33, 40)]
+MAX_TOKENS = [9, 4, 12, 1, 7, 10]
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "deepseek_v3"])
+def checkpoint(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    make_checkpoint(VARIANTS[request.param](), path, seed=SEEDS[request.param])
+    return path
+
+
+def alone(path, prompt_ids, max_tokens):
+    return LLM(path, device="cpu", dtype="float32").generate(prompt_ids, max_tokens, ignore_eos=True)
+
+
+def test_continuous_batching_matches_each_request_alone(checkpoint):
+    """A token budget of 24 splits the long prompts into chunks that share steps with other requests' decodes."""
+    llm = LLM(checkpoint, device="cpu", dtype="float32")
+    engine = Engine(llm, max_num_batched_tokens=24, max_num_seqs=4)
+    ids = [engine.add_request(p, max_tokens=m, ignore_eos=True) for p, m in zip(PROMPTS, MAX_TOKENS, strict=True)]
+    mixed_steps = 0
+    while engine.has_work():
+        outputs = engine.step()
+        mixed_steps += len(outputs) > 1
+    assert mixed_steps > 0
+    for request_id, p, m in zip(ids, PROMPTS, MAX_TOKENS, strict=True):
+        request = engine.requests[request_id]
+        assert request.finish_reason == "length"
+        assert request.output_ids == alone(checkpoint, p, m), request_id
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_prefix_cache_hit_gives_identical_output(checkpoint):
+    llm = LLM(checkpoint, device="cpu", dtype="float32")
+    engine = Engine(llm)
+    conversation = PROMPTS[4] + PROMPTS[5]  # 73 tokens: 4 full pages of 16
+    engine.generate([conversation], max_tokens=5, ignore_eos=True)
+    # the same 4 full pages, then new tokens from position 64 on: a stale page's contents there are not the prompt's
+    resent = conversation[:64] + [(t + 1) % 256 for t in conversation[64:]] + prompt(3, seed=9)
+    request_id = engine.add_request(resent, max_tokens=6, ignore_eos=True)
+    while engine.has_work():
+        engine.step()
+    request = engine.requests[request_id]
+    assert request.num_cached == 64  # the conversation's full pages were not recomputed
+    assert request.output_ids == alone(checkpoint, resent, 6)
+
+
+def test_cancellation_frees_blocks(checkpoint):
+    engine = Engine(LLM(checkpoint, device="cpu", dtype="float32"), max_num_batched_tokens=8)
+    keep = engine.add_request(PROMPTS[2], max_tokens=3, ignore_eos=True)
+    dropped = engine.add_request(PROMPTS[5], max_tokens=20, ignore_eos=True)
+    engine.step()
+    engine.step()
+    assert engine.blocks.num_free < engine.blocks.num_blocks
+    engine.cancel(dropped)
+    while engine.has_work():
+        engine.step()
+    assert engine.requests[dropped].finish_reason == "cancelled"
+    assert engine.requests[keep].output_ids == alone(checkpoint, PROMPTS[2], 3)
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_kv_exhaustion_queues_requests(checkpoint):
+    """8 pages of 16 tokens cannot hold the six requests at once: they wait, some are preempted and recomputed,
+    and every one still gets its own tokens."""
+    llm = LLM(checkpoint, device="cpu", dtype="float32", max_model_len=128)
+    engine = Engine(llm, max_num_batched_tokens=64)
+    engine.blocks = engine.scheduler.blocks = PrefixCachingBlockManager(8, 16, enable_prefix_caching=False)
+    ids = [engine.add_request(p, max_tokens=m, ignore_eos=True) for p, m in zip(PROMPTS, MAX_TOKENS, strict=True)]
+    max_waiting = 0
+    while engine.has_work():
+        engine.step()
+        max_waiting = max(max_waiting, len(engine.scheduler.waiting))
+    assert max_waiting > 0
+    for request_id, p, m in zip(ids, PROMPTS, MAX_TOKENS, strict=True):
+        assert engine.requests[request_id].output_ids == alone(checkpoint, p, m)
+
+
+def test_prefix_cache_bookkeeping():
+    blocks = PrefixCachingBlockManager(6, 4)
+    tokens = list(range(10))  # 2 full pages
+    pages = blocks.allocate(3)
+    blocks.cache_full_blocks(pages, tokens)
+    assert blocks.match_prefix(tokens) == pages[:2]  # shared now: 2 references each
+    assert blocks.match_prefix(tokens[:8]) == pages[:1]  # the last token is always computed
+    blocks.free(pages)
+    blocks.free(pages[:2])
+    blocks.free(pages[:1])
+    assert blocks.num_free == 6
+    assert blocks.match_prefix(tokens) == pages[:2]  # freed pages keep their contents until handed out again
+    blocks.free(pages[:2])
+    blocks.allocate(6)  # hands out every page: the cached contents are gone
+    assert blocks.num_free == 0
+    blocks.free(list(range(6)))
+    assert blocks.match_prefix(tokens) == []
+
+
+def test_penalties():
+    import torch
+
+    logits = torch.tensor([2.0, -2.0, 1.0, 0.5])
+    params = SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)
+    out = apply_penalties(logits, prompt_ids=[0], output_ids=[1, 2, 2], params=params)
+    # token 0: prompt only, 2 / 2; token 1: -2 * 2 - 0.5 - 0.25; token 2: 1 / 2 - 0.5 - 0.5; token 3 untouched
+    assert torch.allclose(out, torch.tensor([1.0, -4.75, -0.5, 0.5]))
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        SamplingParams(repetition_penalty=0)
