@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from cpu_experts import memory, topology
+from cpu_experts.executor import AsyncExperts
 from cpu_experts.expert_file import ROLES, ExpertLayerSpec, dequantize_matrix
 from cpu_experts.module import CpuExperts
 from cpu_experts.packed import PackedLayer
@@ -115,3 +116,20 @@ def load_cpu_experts(model, experts: ConvertedExperts, num_partitions: int) -> N
             tensors = {name: file.read_into(name, memory.empty_tensor(shape, dtype))
                        for name, (shape, dtype) in spec.tensor_shapes().items()}
             module.load(PackedLayer.from_file_tensors(tensors, spec, num_partitions))
+
+
+def bind_cpu_executor(model, max_tokens: int, dtype: torch.dtype) -> AsyncExperts | None:
+    """One asynchronous executor for every `CpuExperts` of `model` (they run one layer at a time), bound to each,
+    so the MoE blocks overlap their shared expert with the CPU's routed experts; None if the model has none."""
+    modules = {m.layer_idx: m for m in model.modules() if isinstance(m, CpuExperts)}
+    if not modules:
+        return None
+    config = model.config
+
+    def compute(layer, hidden, topk_ids, topk_weights, out):
+        modules[layer].compute(hidden, topk_ids, topk_weights, out)
+
+    executor = AsyncExperts(compute, max_tokens, config.hidden_size, config.moe.top_k, dtype)
+    for module in modules.values():
+        module.bind(executor)
+    return executor

@@ -33,8 +33,14 @@ class StepOutput:
 
 
 class Engine:
-    def __init__(self, llm, max_num_batched_tokens: int = 512, max_num_seqs: int = 64,
+    def __init__(self, llm, max_num_batched_tokens: int | None = None, max_num_seqs: int = 64,
                  enable_prefix_caching: bool = True):
+        """`max_num_batched_tokens`: tokens per step (None: 512, or max_model_len if smaller); at most max_model_len,
+        the largest step the CPU experts' staging buffers take."""
+        max_num_batched_tokens = max_num_batched_tokens or min(512, llm.max_model_len)
+        if max_num_batched_tokens > llm.max_model_len:
+            raise ValueError(f"max_num_batched_tokens {max_num_batched_tokens} exceeds max_model_len "
+                             f"{llm.max_model_len}; lower it or build the LLM with a larger max_model_len")
         self.llm = llm
         self.device = llm.engine_config.device
         self.block_size = llm.engine_config.block_size

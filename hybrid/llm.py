@@ -11,7 +11,7 @@ import torch
 
 from cpu_experts.topology import discover_nodes
 from hybrid.block_manager import BlockAllocator, blocks_needed
-from hybrid.converted import cpu_experts_factory, read_manifest
+from hybrid.converted import bind_cpu_executor, cpu_experts_factory, read_manifest
 from hybrid.engine_config import EngineConfig
 from hybrid.forward_batch import ForwardBatch, SequenceSlice
 from hybrid.kv_cache import allocate_kv_cache
@@ -62,6 +62,8 @@ class LLM:
             if hasattr(module, "fuse_gate_up"):
                 module.fuse_gate_up()  # the kernels' stacked gate/up layout (MLPs: only when the ops use it)
         self.max_model_len = max_model_len or min(self.config.max_position_embeddings, 4096)
+        # CPU experts of a converted model run on one executor thread, overlapped with the shared experts
+        self.cpu_executor = bind_cpu_executor(self.model, self.max_model_len, torch.float32) if is_converted else None
         num_blocks = blocks_needed(self.max_model_len, block_size)
         self.allocator = BlockAllocator(num_blocks)
         self.kv_caches = allocate_kv_cache(

@@ -119,3 +119,28 @@ def test_penalties():
     assert torch.allclose(out, torch.tensor([1.0, -4.75, -0.5, 0.5]))
     with pytest.raises(ValueError, match="repetition_penalty"):
         SamplingParams(repetition_penalty=0)
+
+
+def test_converted_model_overlaps_cpu_experts(tmp_path):
+    """A converted model's CPU experts run on the executor thread while the shared expert runs: the same logits
+    as calling them inline, and the engine batches it like any model."""
+    import torch
+
+    from convert.cli import main
+    from cpu_experts.module import CpuExperts
+
+    make_checkpoint(VARIANTS["deepseek_v3"](), tmp_path / "src", seed=SEEDS["deepseek_v3"])
+    assert main([str(tmp_path / "src"), str(tmp_path / "dst"), "--expert-dtype", "int8"]) == 0
+    llm = LLM(tmp_path / "dst", device="cpu", dtype="float32")
+    modules = [m for m in llm.model.modules() if isinstance(m, CpuExperts)]
+    assert llm.cpu_executor is not None and all(m.is_async for m in modules)
+    ids = PROMPTS[4]
+    overlapped = llm.prefill_logits(ids)
+    for module in modules:
+        module.bind(None)
+    inline = llm.prefill_logits(ids)
+    assert torch.equal(overlapped, inline)
+    for module in modules:
+        module.bind(llm.cpu_executor)
+    want = llm.generate(PROMPTS[1], 5, ignore_eos=True)
+    assert Engine(llm).generate([PROMPTS[1], PROMPTS[3]], max_tokens=5, ignore_eos=True)[0] == want

@@ -117,10 +117,18 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.gate(x)
-        out = self.experts(x, topk_ids, topk_weights)
-        if self.shared_name:
-            shared = getattr(self, self.shared_name)(x)
-            if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
-            out = out + shared
-        return out
+        if getattr(self.experts, "is_async", False):  # CPU experts on their executor: overlap the shared expert
+            self.experts.submit(x, topk_ids, topk_weights)
+            shared = self._shared(x)
+            out = self.experts.sync(like=x)
+        else:
+            out, shared = self.experts(x, topk_ids, topk_weights), self._shared(x)
+        return out if shared is None else out + shared
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor | None:
+        if not self.shared_name:
+            return None
+        shared = getattr(self, self.shared_name)(x)
+        if self.shared_expert_gate is not None:
+            shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return shared
