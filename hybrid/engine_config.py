@@ -26,6 +26,10 @@ class EngineConfig:
     # dense layers and attention: "auto" runs gpu_layers' Triton kernels on CUDA and the PyTorch references
     # elsewhere; "torch" keeps the references on CUDA too; "triton" forces the kernels
     kernels: str = "auto"
+    # converted models: routed experts per MoE layer kept on the engine's device (the most routed ones per
+    # `routing_stats`, a JSON file of per-layer expert counts, else the first ones); the rest run on the CPU
+    gpu_experts: int = 0
+    routing_stats: str | None = None
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -37,6 +41,8 @@ class EngineConfig:
         if self.expert_activations not in EXPERT_ACTIVATIONS:
             raise ConfigError(f"expert_activations '{self.expert_activations}' is not one of "
                               f"{', '.join(EXPERT_ACTIVATIONS)}")
+        if self.gpu_experts < 0:
+            raise ConfigError(f"gpu_experts must be >= 0, got {self.gpu_experts}")
         if self.kernels not in KERNELS:
             raise ConfigError(f"kernels '{self.kernels}' is not one of {', '.join(KERNELS)}")
         if self.max_model_len is not None and self.max_model_len < 1:

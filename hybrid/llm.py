@@ -19,6 +19,7 @@ from hybrid.layers.backends import Backends
 from hybrid.loader import load_weights
 from hybrid.models import load_model_config
 from hybrid.models.base import MoECausalLM
+from hybrid.placement import ExpertPlacement, RoutingStats, hybrid_experts_factory
 from hybrid.sampling import SamplingParams, sample
 
 
@@ -43,16 +44,18 @@ def build_model(cls: type[MoECausalLM], config, engine: EngineConfig, backends: 
 class LLM:
     def __init__(self, path: str | Path, device: str = "cpu", dtype: str = "bfloat16",
                  max_model_len: int | None = None, block_size: int = 16, numa_partitions: int | None = None,
-                 expert_activations: str = "int8", kernels: str = "auto"):
+                 expert_activations: str = "int8", kernels: str = "auto", gpu_experts: int = 0,
+                 routing_stats: str | None = None):
         self.engine_config = EngineConfig(device=device, dtype=dtype, max_model_len=max_model_len,
                                           block_size=block_size, numa_partitions=numa_partitions,
-                                          expert_activations=expert_activations, kernels=kernels)
+                                          expert_activations=expert_activations, kernels=kernels,
+                                          gpu_experts=gpu_experts, routing_stats=routing_stats)
         cls, self.config = load_model_config(path)
         # Placement, decided once: a converted directory's routed experts run on the CPU operator; a plain
         # checkpoint's run through the PyTorch reference on the engine's device.
         is_converted = read_manifest(Path(path)) is not None
         int8_activations = expert_activations == "int8"
-        make_experts = partial(cpu_experts_factory, int8_activations=int8_activations) if is_converted else None
+        make_experts = self._converted_experts_factory(int8_activations) if is_converted else None
         backends = Backends.for_device(device, self.config, block_size, self.engine_config.torch_dtype, kernels,
                                        make_experts)
         self.model = build_model(cls, self.config, self.engine_config, backends)
@@ -70,6 +73,17 @@ class LLM:
             self.model.attention_layers(), num_blocks, block_size, self.engine_config.torch_dtype, device
         )
         self.num_forward_tokens = 0
+
+    def _converted_experts_factory(self, int8_activations: bool):
+        """The CPU operator for every routed expert, or `HybridExperts` where `gpu_experts` keeps some on the
+        engine's device (placement chosen here, once)."""
+        cfg = self.engine_config
+        if cfg.gpu_experts == 0:
+            return partial(cpu_experts_factory, int8_activations=int8_activations)
+        stats = RoutingStats.read(cfg.routing_stats) if cfg.routing_stats else None
+        moe_layers = [i for i, is_moe in enumerate(self.config.moe_layers) if is_moe]
+        placement = ExpertPlacement.choose(moe_layers, self.config.moe.num_experts, cfg.gpu_experts, stats)
+        return partial(hybrid_experts_factory, placement=placement, int8_activations=int8_activations)
 
     @torch.inference_mode()
     def prefill_logits(self, token_ids: list[int]) -> torch.Tensor:

@@ -144,3 +144,28 @@ def test_converted_model_overlaps_cpu_experts(tmp_path):
         module.bind(llm.cpu_executor)
     want = llm.generate(PROMPTS[1], 5, ignore_eos=True)
     assert Engine(llm).generate([PROMPTS[1], PROMPTS[3]], max_tokens=5, ignore_eos=True)[0] == want
+
+
+def test_gpu_resident_experts_split_the_layer(tmp_path):
+    """`gpu_experts=N`: each MoE layer keeps its N most routed experts (from a routing-statistics file) on the
+    engine's device and the CPU operator sees them as -1; the sum is the layer's output (float activations, so
+    both sides are exact to the stored weights), with the CPU part overlapped on its executor."""
+    import torch
+
+    from convert.cli import main
+    from hybrid.placement import HybridExperts, RoutingStats
+
+    make_checkpoint(VARIANTS["deepseek_v3"](), tmp_path / "src", seed=SEEDS["deepseek_v3"])
+    assert main([str(tmp_path / "src"), str(tmp_path / "dst"), "--expert-dtype", "int8"]) == 0
+    counts = {layer: [0, 5, 1, 9, 0, 0, 7, 2] for layer in range(1, 4)}  # layers 1-3 are MoE
+    RoutingStats(counts).write(tmp_path / "routing.json")
+    args = dict(device="cpu", dtype="float32", expert_activations="float")
+    split = LLM(tmp_path / "dst", gpu_experts=3, routing_stats=str(tmp_path / "routing.json"), **args)
+    experts = [m for m in split.model.modules() if isinstance(m, HybridExperts)]
+    assert len(experts) == 3 and all(m.gpu_expert_ids == (1, 3, 6) and m.is_async for m in experts)
+    whole = LLM(tmp_path / "dst", **args)
+    ids = PROMPTS[4]
+    got, want = split.prefill_logits(ids), whole.prefill_logits(ids)
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+    assert not torch.equal(experts[0].gate_proj.data[0], torch.zeros_like(experts[0].gate_proj.data[0]))
+    assert split.generate(PROMPTS[1], 6, ignore_eos=True) == whole.generate(PROMPTS[1], 6, ignore_eos=True)

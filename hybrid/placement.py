@@ -1,0 +1,120 @@
+"""Which routed experts live on the GPU: placement data chosen once at start-up, and the module that splits a
+layer's experts between the GPU and the CPU by it.
+
+`ExpertPlacement.choose` keeps, per MoE layer, the `num_gpu_experts` experts routed to most often (counts from a
+routing-statistics file, `RoutingStats`, JSON {"layers": {"3": [count per expert], ...}}), or the first ones when
+there are no statistics (routing is then taken as uniform, where any choice is as good).
+
+`HybridExperts` (one per MoE layer of a converted model): its own stacked parameters hold the GPU-resident
+experts, named by their global ids so the loader fills them from the expert files (dequantized); `cpu_experts` is the
+CPU operator for all experts, and sees the GPU-resident ones as -1. Per call: ids [T, K] -> local GPU slots (or
+-1) and CPU ids (or -1); the CPU part is submitted first (when its executor is bound) and the GPU part computed
+while it runs; the two outputs add up to the layer's output.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from cpu_experts.module import CpuExperts
+from hybrid.layers.moe import TorchExperts
+
+
+@dataclass(frozen=True)
+class RoutingStats:
+    counts: dict[int, list[int]]  # MoE layer -> tokens routed to each expert
+
+    @classmethod
+    def read(cls, path: str | Path) -> RoutingStats:
+        try:
+            raw = json.loads(Path(path).read_text())
+            return cls({int(layer): [int(c) for c in counts] for layer, counts in raw["layers"].items()})
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"{path}: not a routing-statistics file ({type(exc).__name__}: {exc})") from None
+
+    def write(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps({"layers": {str(k): v for k, v in sorted(self.counts.items())}}))
+
+
+@dataclass(frozen=True)
+class ExpertPlacement:
+    gpu_experts: dict[int, tuple[int, ...]]  # MoE layer -> the global ids of its GPU-resident experts, sorted
+
+    @classmethod
+    def choose(cls, moe_layers: list[int], num_experts: int, num_gpu_experts: int,
+               stats: RoutingStats | None = None) -> ExpertPlacement:
+        if not 0 <= num_gpu_experts <= num_experts:
+            raise ValueError(f"gpu_experts must be in [0, {num_experts}] (experts per layer), got {num_gpu_experts}")
+        chosen = {}
+        for layer in moe_layers:
+            counts = (stats.counts.get(layer) if stats else None) or [0] * num_experts
+            if len(counts) != num_experts:
+                raise ValueError(f"routing statistics of layer {layer} have {len(counts)} experts, the model "
+                                 f"{num_experts}")
+            ranked = sorted(range(num_experts), key=lambda e: (-counts[e], e))  # most routed first, ties by id
+            chosen[layer] = tuple(sorted(ranked[:num_gpu_experts]))
+        return cls(chosen)
+
+
+class HybridExperts(TorchExperts):
+    def __init__(self, cpu: CpuExperts, gpu_expert_ids: tuple[int, ...], num_experts: int, hidden_size: int,
+                 intermediate_size: int, proj_names: tuple[str, str, str]):
+        super().__init__(len(gpu_expert_ids), hidden_size, intermediate_size, proj_names)
+        self.cpu_experts = cpu
+        self.gpu_expert_ids = gpu_expert_ids
+        slots = torch.full((num_experts,), -1, dtype=torch.int64)
+        slots[list(gpu_expert_ids)] = torch.arange(len(gpu_expert_ids))
+        self.register_buffer("local_slot", slots, persistent=False)  # global id -> GPU slot, or -1
+        self._gpu_out: torch.Tensor | None = None
+
+    def reset_buffers(self) -> None:
+        """Rebuilt after the model was built on the meta device (like the rotary frequencies)."""
+        slots = torch.full_like(self.local_slot, -1, device="cpu")
+        slots[list(self.gpu_expert_ids)] = torch.arange(len(self.gpu_expert_ids))
+        self.local_slot = slots.to(self.local_slot.device)
+
+    def checkpoint_targets(self):
+        """Slot s holds expert gpu_expert_ids[s]: named by its global id, as the expert files name it."""
+        for name in self.proj_names:
+            stacked = getattr(self, name)
+            for slot, expert in enumerate(self.gpu_expert_ids):
+                yield f"{expert}.{name}.weight", stacked.data[slot]
+
+    @property
+    def is_async(self) -> bool:
+        return self.cpu_experts.is_async
+
+    def _split(self, topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """topk_ids [T, K] -> (GPU slots or -1, CPU ids or -1), both [T, K] int64."""
+        ids = topk_ids.long()
+        local = torch.where(ids >= 0, self.local_slot[ids.clamp_min(0)], -1)
+        return local, torch.where(local >= 0, -1, ids)
+
+    def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        local, cpu_ids = self._split(topk_ids)
+        return self.cpu_experts(hidden, cpu_ids, topk_weights) + super().forward(hidden, local, topk_weights)
+
+    def submit(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+        local, cpu_ids = self._split(topk_ids)
+        self.cpu_experts.submit(hidden, cpu_ids, topk_weights)
+        self._gpu_out = super().forward(hidden, local, topk_weights)  # while the CPU computes its part
+
+    def sync(self, like: torch.Tensor) -> torch.Tensor:
+        gpu_out, self._gpu_out = self._gpu_out, None
+        return self.cpu_experts.sync(like) + gpu_out
+
+
+def hybrid_experts_factory(layer_idx: int, config, placement: ExpertPlacement, int8_activations: bool = True):
+    """Experts factory for converted models with GPU-resident experts: `HybridExperts` where the placement puts
+    some on the GPU, else the CPU operator alone."""
+    cpu = CpuExperts(layer_idx, int8_activations=int8_activations)
+    gpu_ids = placement.gpu_experts.get(layer_idx, ())
+    if not gpu_ids:
+        return cpu
+    moe = config.moe
+    return HybridExperts(cpu, gpu_ids, moe.num_experts, config.hidden_size, moe.intermediate_size,
+                         moe.expert_proj_names)
