@@ -19,7 +19,7 @@ from hybrid.layers.backends import Backends
 from hybrid.loader import load_weights
 from hybrid.models import load_model_config
 from hybrid.models.base import MoECausalLM
-from hybrid.placement import ExpertPlacement, RoutingStats, hybrid_experts_factory
+from hybrid.placement import ExpertPlacement, RoutingRecorder, RoutingStats, hybrid_experts_factory
 from hybrid.sampling import SamplingParams, sample
 
 
@@ -65,6 +65,7 @@ class LLM:
             if hasattr(module, "fuse_gate_up"):
                 module.fuse_gate_up()  # the kernels' stacked gate/up layout (MLPs: only when the ops use it)
         self.max_model_len = max_model_len or min(self.config.max_position_embeddings, 4096)
+        self.routing_recorder: RoutingRecorder | None = None
         # CPU experts of a converted model run on one executor thread, overlapped with the shared experts
         self.cpu_executor = bind_cpu_executor(self.model, self.max_model_len, torch.float32) if is_converted else None
         num_blocks = blocks_needed(self.max_model_len, block_size)
@@ -73,6 +74,14 @@ class LLM:
             self.model.attention_layers(), num_blocks, block_size, self.engine_config.torch_dtype, device
         )
         self.num_forward_tokens = 0
+
+    def record_routing(self) -> RoutingRecorder:
+        """Starts counting the experts each MoE layer routes to; `recorder.stats().write(path)` saves them for
+        `routing_stats=` (GPU-resident experts) of a later run."""
+        if self.routing_recorder is None:
+            self.routing_recorder = RoutingRecorder(self.config.moe.num_experts)
+            self.routing_recorder.attach(self.model)
+        return self.routing_recorder
 
     def _converted_experts_factory(self, int8_activations: bool):
         """The CPU operator for every routed expert, or `HybridExperts` where `gpu_experts` keeps some on the

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from cpu_experts.module import CpuExperts
-from hybrid.layers.moe import TorchExperts
+from hybrid.layers.moe import Router, TorchExperts
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,29 @@ class RoutingStats:
 
     def write(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps({"layers": {str(k): v for k, v in sorted(self.counts.items())}}))
+
+
+class RoutingRecorder:
+    """Counts the tokens routed to each expert of each MoE layer (attached to the routers by `attach`); `stats()`
+    is what `ExpertPlacement.choose` reads back from a file."""
+
+    def __init__(self, num_experts: int):
+        self.num_experts = num_experts
+        self.counts: dict[int, torch.Tensor] = {}
+
+    def attach(self, model) -> None:
+        for layer_idx, layer in enumerate(model.model.layers):
+            for module in layer.modules():
+                if isinstance(module, Router):
+                    module.recorder = (self, layer_idx)
+
+    def add(self, layer_idx: int, topk_ids: torch.Tensor) -> None:
+        ids = topk_ids[topk_ids >= 0].long().flatten().cpu()
+        counts = torch.bincount(ids, minlength=self.num_experts)
+        self.counts[layer_idx] = self.counts.get(layer_idx, torch.zeros_like(counts)) + counts
+
+    def stats(self) -> RoutingStats:
+        return RoutingStats({layer: c.tolist() for layer, c in self.counts.items()})
 
 
 @dataclass(frozen=True)

@@ -157,9 +157,12 @@ def test_gpu_resident_experts_split_the_layer(tmp_path):
 
     make_checkpoint(VARIANTS["deepseek_v3"](), tmp_path / "src", seed=SEEDS["deepseek_v3"])
     assert main([str(tmp_path / "src"), str(tmp_path / "dst"), "--expert-dtype", "int8"]) == 0
+    args = dict(device="cpu", dtype="float32", expert_activations="float")
+    recorder = LLM(tmp_path / "dst", **args).record_routing()
+    recorder.add(1, torch.tensor([[3, 1], [6, -1]]))  # what a router call records: -1 is not counted
+    assert recorder.stats().counts == {1: [0, 1, 0, 1, 0, 0, 1, 0]}
     counts = {layer: [0, 5, 1, 9, 0, 0, 7, 2] for layer in range(1, 4)}  # layers 1-3 are MoE
     RoutingStats(counts).write(tmp_path / "routing.json")
-    args = dict(device="cpu", dtype="float32", expert_activations="float")
     split = LLM(tmp_path / "dst", gpu_experts=3, routing_stats=str(tmp_path / "routing.json"), **args)
     experts = [m for m in split.model.modules() if isinstance(m, HybridExperts)]
     assert len(experts) == 3 and all(m.gpu_expert_ids == (1, 3, 6) and m.is_async for m in experts)
@@ -169,3 +172,8 @@ def test_gpu_resident_experts_split_the_layer(tmp_path):
     assert (got - want).abs().max() <= 1e-4 * want.abs().max()
     assert not torch.equal(experts[0].gate_proj.data[0], torch.zeros_like(experts[0].gate_proj.data[0]))
     assert split.generate(PROMPTS[1], 6, ignore_eos=True) == whole.generate(PROMPTS[1], 6, ignore_eos=True)
+    recorded = whole.record_routing()
+    whole.prefill_logits(ids)
+    stats = recorded.stats()
+    assert sorted(stats.counts) == [1, 2, 3]
+    assert all(sum(c) == len(ids) * 3 for c in stats.counts.values())  # top-3 routing, every token counted

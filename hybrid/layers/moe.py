@@ -20,6 +20,7 @@ class Router(nn.Module):
         super().__init__()
         self.moe = moe
         self.ops = ops
+        self.recorder = None  # `hybrid.placement.RoutingRecorder` and this layer's index, when recording
         self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size))
         if moe.has_correction_bias:
             # Kept in float32 whatever the model dtype: it decides selection between close sigmoid scores.
@@ -36,6 +37,13 @@ class Router(nn.Module):
         return self
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        weights, ids = self._route(x)
+        if self.recorder is not None:
+            recorder, layer_idx = self.recorder
+            recorder.add(layer_idx, ids)
+        return weights, ids
+
+    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         moe = self.moe
         if moe.router_in_fp32:
             logits = F.linear(x.float(), self.weight.float())
