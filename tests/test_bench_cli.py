@@ -62,3 +62,19 @@ def test_synthetic_checkpoint_loads(tmp_path, monkeypatch):
 
     logits = LLM(tmp_path, dtype="float32").prefill_logits([5, 6, 7])
     assert logits.shape == (3, 512) and torch.isfinite(logits).all()
+
+
+def test_engine_benchmarks_run_on_a_converted_model(tmp_path, capsys):
+    """`hybrid-bench decode/prefill --model DIR` on a tiny converted checkpoint (the timing itself is not tested)."""
+    from checkpoints import SEEDS, VARIANTS, make_checkpoint
+
+    from convert.cli import main as convert
+
+    make_checkpoint(VARIANTS["qwen3_moe"](), tmp_path / "src", seed=SEEDS["qwen3_moe"])
+    assert convert([str(tmp_path / "src"), str(tmp_path / "dst")]) == 0
+    capsys.readouterr()
+    for mode, tokens in (("decode", "4"), ("prefill", "40")):
+        assert main([mode, "--model", str(tmp_path / "dst"), "--device", "cpu", "--dtype", "float32",
+                     "--tokens", tokens, "--json"]) == 0
+        row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert row["mode"] == mode and row["tokens_per_s"] > 0 and row["of_bound"] > 0
