@@ -15,7 +15,7 @@ from hybrid.converted import bind_cpu_executor, cpu_experts_factory, read_manife
 from hybrid.engine_config import EngineConfig
 from hybrid.forward_batch import ForwardBatch, SequenceSlice
 from hybrid.kv_cache import allocate_kv_cache
-from hybrid.layers.backends import Backends
+from hybrid.layers.backends import Backends, uses_gemm_kernels
 from hybrid.loader import load_weights
 from hybrid.models import load_model_config
 from hybrid.models.base import MoECausalLM
@@ -92,7 +92,9 @@ class LLM:
         stats = RoutingStats.read(cfg.routing_stats) if cfg.routing_stats else None
         moe_layers = [i for i, is_moe in enumerate(self.config.moe_layers) if is_moe]
         placement = ExpertPlacement.choose(moe_layers, self.config.moe.num_experts, cfg.gpu_experts, stats)
-        return partial(hybrid_experts_factory, placement=placement, int8_activations=int8_activations)
+        is_fused = uses_gemm_kernels(cfg.device, cfg.kernels, cfg.torch_dtype)
+        return partial(hybrid_experts_factory, placement=placement, int8_activations=int8_activations,
+                       is_fused=is_fused)
 
     @torch.inference_mode()
     def prefill_logits(self, token_ids: list[int]) -> torch.Tensor:

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from cpu_experts.module import CpuExperts
-from hybrid.layers.moe import Router, TorchExperts
+from hybrid.layers.moe import Router, TritonExperts
 
 
 @dataclass(frozen=True)
@@ -83,10 +83,14 @@ class ExpertPlacement:
         return cls(chosen)
 
 
-class HybridExperts(TorchExperts):
+class HybridExperts(TritonExperts):
+    """`is_fused`: the GPU-resident experts run through the fused-MoE kernel (gate and up stacked after loading,
+    `TritonExperts`), else through the PyTorch reference."""
+
     def __init__(self, cpu: CpuExperts, gpu_expert_ids: tuple[int, ...], num_experts: int, hidden_size: int,
-                 intermediate_size: int, proj_names: tuple[str, str, str]):
+                 intermediate_size: int, proj_names: tuple[str, str, str], is_fused: bool = False):
         super().__init__(len(gpu_expert_ids), hidden_size, intermediate_size, proj_names)
+        self.is_fused = is_fused
         self.cpu_experts = cpu
         self.gpu_expert_ids = gpu_expert_ids
         slots = torch.full((num_experts,), -1, dtype=torch.int64)
@@ -106,6 +110,10 @@ class HybridExperts(TorchExperts):
             stacked = getattr(self, name)
             for slot, expert in enumerate(self.gpu_expert_ids):
                 yield f"{expert}.{name}.weight", stacked.data[slot]
+
+    def fuse_gate_up(self) -> None:
+        if self.is_fused:
+            super().fuse_gate_up()
 
     @property
     def is_async(self) -> bool:
@@ -131,7 +139,8 @@ class HybridExperts(TorchExperts):
         return self.cpu_experts.sync(like) + gpu_out
 
 
-def hybrid_experts_factory(layer_idx: int, config, placement: ExpertPlacement, int8_activations: bool = True):
+def hybrid_experts_factory(layer_idx: int, config, placement: ExpertPlacement, int8_activations: bool = True,
+                           is_fused: bool = False):
     """Experts factory for converted models with GPU-resident experts: `HybridExperts` where the placement puts
     some on the GPU, else the CPU operator alone."""
     cpu = CpuExperts(layer_idx, int8_activations=int8_activations)
@@ -140,4 +149,4 @@ def hybrid_experts_factory(layer_idx: int, config, placement: ExpertPlacement, i
         return cpu
     moe = config.moe
     return HybridExperts(cpu, gpu_ids, moe.num_experts, config.hidden_size, moe.intermediate_size,
-                         moe.expert_proj_names)
+                         moe.expert_proj_names, is_fused)

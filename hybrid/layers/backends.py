@@ -127,6 +127,11 @@ def triton_experts_factory(layer_idx: int, config: ModelConfig) -> nn.Module:
     return TritonExperts(moe.num_experts, config.hidden_size, moe.intermediate_size, moe.expert_proj_names)
 
 
+def uses_gemm_kernels(device: torch.device | str, kernels: str, dtype: torch.dtype) -> bool:
+    """Whether the MoE and linear GEMM kernels run: the Triton ops, in the 16-bit dtypes those kernels take."""
+    return dense_ops_for(device, kernels) is not TORCH_OPS and dtype in (torch.bfloat16, torch.float16)
+
+
 @dataclass(frozen=True)
 class Backends:
     attention: TorchAttentionBackend | TritonAttentionBackend = field(default_factory=TorchAttentionBackend)
@@ -146,7 +151,7 @@ class Backends:
         attention = TorchAttentionBackend()
         if is_triton and TritonAttentionBackend.supports(config.attention, block_size):
             attention = TritonAttentionBackend()
-        is_half_kernels = is_triton and dtype in (torch.bfloat16, torch.float16)  # what the GEMM kernels take
+        is_half_kernels = uses_gemm_kernels(device, kernels, dtype)
         if make_experts is None:
             make_experts = triton_experts_factory if is_half_kernels else default_experts_factory
         return cls(attention=attention, make_experts=make_experts, ops=ops, keep_quantized=is_half_kernels)
