@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu_layers.capability import GateCase, capability_of, select
+from gpu_layers.capability import GateCase, capability_of, num_sms, select
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
 SUPPORTED_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -280,17 +280,6 @@ def _padded(head_dim: int) -> int:
     return triton.next_power_of_2(head_dim)
 
 
-@functools.cache
-def _capability(device: torch.device) -> int:
-    # The interpreter (CPU tensors) takes SM120's table: the smallest tiles, the quickest to interpret.
-    return capability_of(device) if device.type == "cuda" else 120
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
 def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # only fp32 operands read it: exact fp32 dots
 
@@ -393,12 +382,12 @@ def paged_decode_attention(
     if num_seqs == 0:
         return out
 
-    block_n, num_warps, num_stages = decode_config(_capability(q.device), head_dim, q.dtype)
+    block_n, num_warps, num_stages = decode_config(capability_of(q.device), head_dim, q.dtype)
     if num_splits is None:
         max_seq_len = max_seq_len or block_tables.shape[1] << page_shift
         if window:
             max_seq_len = min(max_seq_len, window + block_n)  # a window spans at most this many tile keys
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, block_n, _num_sms(q.device))
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, block_n, num_sms(q.device))
     _check(1 <= num_splits <= 65535, f"num_splits must be in 1..65535, got {num_splits}")
 
     partial_acc = torch.empty((num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
@@ -450,7 +439,7 @@ def paged_prefill_attention(
     if num_seqs == 0 or num_tokens == 0:
         return out
 
-    block_m, block_n, num_warps, num_stages = prefill_config(_capability(q.device), head_dim, q.dtype)
+    block_m, block_n, num_warps, num_stages = prefill_config(capability_of(q.device), head_dim, q.dtype)
     grid = (triton.cdiv(max_query_len, block_m // group), num_seqs, num_kv_heads)
     paged_prefill_kernel[grid](
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,

@@ -9,6 +9,7 @@ meets a GPU.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,7 @@ SHARED_MEMORY_LIMIT = {89: 101376, 90: 232448, 120: 101376}
 CAPABILITIES = tuple(SHARED_MEMORY_LIMIT)
 
 
+@functools.cache
 def capability_of(device) -> int:
     """torch device -> 89, 90 or 120: the nearest table at or below the device's capability (SM100/103 use the
     SM90 table only if a kernel's table says so; unknown newer parts fall back to 120's, the smallest limits).
@@ -32,6 +34,17 @@ def capability_of(device) -> int:
     if cc >= 90:
         return 90
     return 89
+
+
+@functools.cache
+def num_sms(device) -> int:
+    """Multiprocessors of a CUDA device, which split-K launchers size their grids by; the interpreter (a CPU
+    device) plays a GPU of 4, so the small test shapes take the split paths."""
+    import torch
+
+    if torch.device(device).type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def select(table: dict[int, Any], capability: int) -> Any:

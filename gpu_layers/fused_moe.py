@@ -325,7 +325,7 @@ def fused_moe(
         return out
     top_k = topk_ids.shape[1]
     num_pairs = num_tokens * top_k
-    cc = capability if capability is not None else _capability(hidden.device)
+    cc = capability if capability is not None else capability_of(hidden.device)
     regime = "decode" if num_pairs <= DECODE_ROWS_PER_EXPERT * num_experts else "prefill"
     gate_up_tiles, down_tiles = select(CONFIGS, cc)[(regime, "16bit" if quant == NO_QUANT else "fp8")]
     ids = topk_ids.to(torch.int32).contiguous()  # no copy when it already is
@@ -361,10 +361,6 @@ def fused_moe(
 def _launch_args(tiles: Tiles, quant: int) -> dict:
     return dict(QUANT=quant, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
                 num_warps=tiles.num_warps, num_stages=tiles.num_stages)
-
-
-def _capability(device: torch.device) -> int:
-    return capability_of(device) if device.type == "cuda" else 120  # the interpreter: the smallest limits
 
 
 def _row_scale(x: torch.Tensor) -> torch.Tensor:

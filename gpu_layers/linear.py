@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu_layers.capability import CAPABILITIES, GateCase, capability_of, select
+from gpu_layers.capability import CAPABILITIES, GateCase, capability_of, num_sms, select
 
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -316,12 +316,6 @@ REDUCE_CONFIGS = {cc: dict(BLOCK_S=8, BLOCK_N=256, num_warps=4) for cc in CAPABI
 
 
 @functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # the interpreter plays a tiny GPU, so the small test shapes take the split-K path
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _regime(num_tokens: int) -> str:
     return "decode" if num_tokens <= MAX_DECODE_TOKENS else "prefill"
 
@@ -336,7 +330,7 @@ def _tiles_per_split(num_out_tiles: int, num_k_tiles: int, device: torch.device,
     """K tiles per program: all of K in prefill; in decode, K is split until there are ~2 programs per SM."""
     if regime != "decode":
         return num_k_tiles
-    wanted = max(1, 2 * _num_sms(device) // num_out_tiles)
+    wanted = max(1, 2 * num_sms(device) // num_out_tiles)
     num_splits = max(1, min(wanted, num_k_tiles // MIN_TILES_PER_SPLIT))
     return triton.cdiv(num_k_tiles, num_splits)
 

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu_layers.capability import CAPABILITIES, GateCase, capability_of, select
+from gpu_layers.capability import CAPABILITIES, GateCase, capability_of, num_sms, select
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64  # enough to fill a GPU with one sequence's two 64-head blocks; more only add partial traffic
@@ -277,17 +277,6 @@ def _check_out(out, shape, like: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _capability(device: torch.device) -> int:
-    # The interpreter (CPU) takes the SM120 table, the smallest limits.
-    return capability_of(device) if device.type == "cuda" else 120
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def default_num_splits(num_seqs: int, num_head_blocks: int, max_context: int, block_n: int, num_sms: int) -> int:
     """Splits per (sequence, head block) so the grid covers the GPU about once (one block fits an SM), but none
     shorter than 4 tiles: from host ints only, so a captured graph replays with any lengths."""
@@ -317,12 +306,12 @@ def mla_decode(
     out = _check_out(out, (num_seqs, num_heads, v_head_dim), q_nope)
     if num_seqs == 0:
         return out
-    cfg = select(DECODE_CONFIGS, _capability(q_nope.device))[q_nope.element_size()]
+    cfg = select(DECODE_CONFIGS, capability_of(q_nope.device))[q_nope.element_size()]
     num_head_blocks = triton.cdiv(num_heads, cfg.block_h)
     page_size = latent_cache.shape[1]
     if num_splits is None:
         max_context = block_tables.shape[1] * page_size
-        num_splits = default_num_splits(num_seqs, num_head_blocks, max_context, cfg.block_n, _num_sms(q_nope.device))
+        num_splits = default_num_splits(num_seqs, num_head_blocks, max_context, cfg.block_n, num_sms(q_nope.device))
     _require(1 <= num_splits <= MAX_SPLITS, f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
 
     w_kv_b = w_kv_b.view(num_heads, nope_dim + v_head_dim, rank)
@@ -393,7 +382,7 @@ def mla_prefill(
         return out
     if num_context_tokens is None:
         num_context_tokens = int(seq_lens.sum())
-    cfg = select(PREFILL_CONFIGS, _capability(q_nope.device))[q_nope.element_size()]
+    cfg = select(PREFILL_CONFIGS, capability_of(q_nope.device))[q_nope.element_size()]
 
     latents, context_start = gather_latents(latent_cache, block_tables, seq_lens, num_context_tokens)
     kv = torch.nn.functional.linear(latents[:, :rank], w_kv_b)  # [L, H * (Dn + Dv)]: one matmul expands all heads

@@ -93,16 +93,18 @@ class HybridExperts(TritonExperts):
         self.is_fused = is_fused
         self.cpu_experts = cpu
         self.gpu_expert_ids = gpu_expert_ids
-        slots = torch.full((num_experts,), -1, dtype=torch.int64)
-        slots[list(gpu_expert_ids)] = torch.arange(len(gpu_expert_ids))
-        self.register_buffer("local_slot", slots, persistent=False)  # global id -> GPU slot, or -1
+        self.num_experts = num_experts
+        self.register_buffer("local_slot", self._slots(), persistent=False)  # global id -> GPU slot, or -1
         self._gpu_out: torch.Tensor | None = None
+
+    def _slots(self) -> torch.Tensor:
+        slots = torch.full((self.num_experts,), -1, dtype=torch.int64, device="cpu")
+        slots[list(self.gpu_expert_ids)] = torch.arange(len(self.gpu_expert_ids))
+        return slots
 
     def reset_buffers(self) -> None:
         """Rebuilt after the model was built on the meta device (like the rotary frequencies)."""
-        slots = torch.full_like(self.local_slot, -1, device="cpu")
-        slots[list(self.gpu_expert_ids)] = torch.arange(len(self.gpu_expert_ids))
-        self.local_slot = slots.to(self.local_slot.device)
+        self.local_slot = self._slots().to(self.local_slot.device)
 
     def checkpoint_targets(self):
         """Slot s holds expert gpu_expert_ids[s]: named by its global id, as the expert files name it."""

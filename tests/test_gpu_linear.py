@@ -160,7 +160,7 @@ def test_w4a16_linear_fp16(num_tokens):
 
 
 def test_decode_splits_k_only_when_useful(monkeypatch):
-    monkeypatch.setattr(linear, "_num_sms", lambda device: 4)
+    monkeypatch.setattr(linear, "num_sms", lambda device: 4)
     assert linear._tiles_per_split(2, 8, DEVICE, "decode") == 2  # 4 splits: 8 programs for 4 SMs
     assert linear._tiles_per_split(2, 3, DEVICE, "decode") == 3  # too few K tiles to split
     assert linear._tiles_per_split(64, 8, DEVICE, "decode") == 8  # enough output tiles already
