@@ -36,10 +36,20 @@ def from_namespace(cls: type, namespace: argparse.Namespace, **overrides):
     return cls(**(values | overrides))
 
 
+def _int_or_str(text: str) -> int | str:
+    """`int | str` options (`--gpu-experts 16` or `--gpu-experts auto`)."""
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
 def _base_type(hint) -> type:
-    """`int | None` -> int; `Path` -> Path; plain types unchanged."""
+    """`int | None` -> int; `int | str` -> int where the text is a number; `Path` -> Path; plain types unchanged."""
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if set(args) == {int, str}:
+            return _int_or_str
         if len(args) != 1:
             raise TypeError(f"unsupported option type {hint}")
         hint = args[0]

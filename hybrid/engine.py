@@ -29,7 +29,17 @@ from hybrid.scheduler import Request, ScheduledChunk, Scheduler
 class StepOutput:
     request_id: int
     new_token: int
-    finish_reason: str | None
+    finish_reason: str | None  # "stop", "length", or None while the request goes on
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot for metrics: requests by state and KV-cache pages."""
+
+    num_running: int
+    num_waiting: int
+    num_blocks: int
+    num_free_blocks: int
 
 
 class Engine:
@@ -65,9 +75,19 @@ class Engine:
         return request.request_id
 
     def cancel(self, request_id: int) -> None:
+        self.finish(request_id, "cancelled")
+
+    def finish(self, request_id: int, reason: str = "stop") -> None:
+        """Ends a request now (a stop string the caller found, a client gone) and frees its pages; a finished or
+        unknown request is left alone."""
         request = self.requests.get(request_id)
         if request is not None and not request.is_finished:
-            self.scheduler.finish(request, "cancelled")
+            self.scheduler.finish(request, reason)
+            self._generators.pop(request_id, None)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.blocks.num_blocks,
+                           self.blocks.num_free)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -13,40 +13,67 @@ KERNELS = ("auto", "triton", "torch")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def _help(text: str, choices: tuple | None = None) -> dict:
+    return {"help": text, "choices": choices} if choices else {"help": text}
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    device: str = "cpu"
-    dtype: str = "bfloat16"  # weights and activations; routers and norms compute in float32 regardless
-    max_model_len: int | None = None  # prompt + generated tokens per sequence; None: min(model limit, 4096)
-    block_size: int = 16  # tokens per KV-cache page
-    numa_partitions: int | None = None  # CPU experts: partitions of I; None: one per NUMA node
+    device: str = field(default="cpu", metadata=_help("torch device of the dense layers and attention"))
+    # weights and activations; routers and norms compute in float32 regardless
+    dtype: str = field(default="bfloat16", metadata=_help("weights and activations", tuple(DTYPES)))
+    max_model_len: int | None = field(default=None, metadata=_help(
+        "prompt + generated tokens per sequence; default min(model limit, 4096)"))
+    block_size: int = field(default=16, metadata=_help("tokens per KV-cache page"))
+    kv_cache_tokens: int | None = field(default=None, metadata=_help(
+        "tokens the paged KV cache holds over all sequences; default 4 x max_model_len"))
+    numa_partitions: int | None = field(default=None, metadata=_help(
+        "CPU experts: partitions of the intermediate dimension; default one per NUMA node"))
     # int8 CPU experts: "int8" rounds each activation row to int8 (W8A8: VNNI/AMX-INT8 prefill, what llama.cpp and
     # KTransformers do); "float" keeps activations in float, exact to the converted weights, prefill slower
-    expert_activations: str = "int8"
-    # dense layers and attention: "auto" runs gpu_layers' Triton kernels on CUDA and the PyTorch references
-    # elsewhere; "torch" keeps the references on CUDA too; "triton" forces the kernels
-    kernels: str = "auto"
+    expert_activations: str = field(default="int8", metadata=_help(
+        "int8 CPU experts: activations rounded to int8 (fast) or kept in float (exact)", EXPERT_ACTIVATIONS))
+    # "auto" runs gpu_layers' Triton kernels on CUDA and the PyTorch references elsewhere
+    kernels: str = field(default="auto", metadata=_help("dense layers and attention", KERNELS))
+    cuda_graph: bool = field(default=True, metadata=_help(
+        "replay decode steps as CUDA graphs, CPU-expert hand-off included (CUDA only)"))
+    max_graph_batch: int = field(default=32, metadata=_help(
+        "largest decode batch replayed as a graph (buckets 1, 2, 4, 8, ... up to it); larger ones run eagerly"))
     # converted models: routed experts per MoE layer kept on the engine's device (the most routed ones per
-    # `routing_stats`, a JSON file of per-layer expert counts, else the first ones); the rest run on the CPU
-    gpu_experts: int = 0
-    routing_stats: str | None = None
+    # `routing_stats`, else the first ones); "auto" fills the device memory left after weights and KV cache
+    gpu_experts: int | str = field(default=0, metadata=_help(
+        "routed experts per MoE layer kept on the GPU: a count, or 'auto' to fill the free GPU memory"))
+    gpu_memory_utilization: float = field(default=0.9, metadata=_help(
+        "with --gpu-experts auto: the fraction of GPU memory the engine may fill"))
+    routing_stats: str | None = field(default=None, metadata=_help(
+        "JSON file of per-layer routing counts that picks the GPU-resident experts (from --record-routing)"))
+    record_routing: str | None = field(default=None, metadata=_help(
+        "count the experts each MoE layer routes to and write them to this JSON file at shutdown"))
+    defer_experts: int = field(default=0, metadata=_help(
+        "add each token's N lowest-weight routed experts one layer later, overlapping the CPU with the next "
+        "layer's attention (0: exact model semantics)"))
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype '{self.dtype}' is not supported; supported: {', '.join(DTYPES)}")
-        if self.block_size < 1:
-            raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
-        if self.numa_partitions is not None and self.numa_partitions < 1:
-            raise ConfigError(f"numa_partitions must be >= 1, got {self.numa_partitions}")
+        for name in ("block_size", "max_graph_batch"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("numa_partitions", "max_model_len", "kv_cache_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{name} must be >= 1, got {value}")
         if self.expert_activations not in EXPERT_ACTIVATIONS:
             raise ConfigError(f"expert_activations '{self.expert_activations}' is not one of "
                               f"{', '.join(EXPERT_ACTIVATIONS)}")
-        if self.gpu_experts < 0:
-            raise ConfigError(f"gpu_experts must be >= 0, got {self.gpu_experts}")
+        if self.gpu_experts != "auto" and not (isinstance(self.gpu_experts, int) and self.gpu_experts >= 0):
+            raise ConfigError(f"gpu_experts must be a count >= 0 or 'auto', got {self.gpu_experts!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.defer_experts < 0:
+            raise ConfigError(f"defer_experts must be >= 0, got {self.defer_experts}")
         if self.kernels not in KERNELS:
             raise ConfigError(f"kernels '{self.kernels}' is not one of {', '.join(KERNELS)}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
         try:
             torch.device(self.device)
         except (RuntimeError, TypeError):
@@ -55,3 +82,7 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def is_cuda(self) -> bool:
+        return torch.device(self.device).type == "cuda"

@@ -4,6 +4,8 @@ cache, one token per decode step. The engine issue builds continuous batching on
 
 from __future__ import annotations
 
+import itertools
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -14,12 +16,19 @@ from hybrid.block_manager import BlockAllocator, blocks_needed
 from hybrid.converted import bind_cpu_executor, cpu_experts_factory, read_manifest
 from hybrid.engine_config import EngineConfig
 from hybrid.forward_batch import ForwardBatch, SequenceSlice
-from hybrid.kv_cache import allocate_kv_cache
+from hybrid.kv_cache import allocate_kv_cache, kv_bytes_per_token
 from hybrid.layers.backends import Backends, uses_gemm_kernels
 from hybrid.loader import load_weights
 from hybrid.models import load_model_config
 from hybrid.models.base import MoECausalLM
-from hybrid.placement import ExpertPlacement, RoutingRecorder, RoutingStats, hybrid_experts_factory
+from hybrid.placement import (
+    ExpertPlacement,
+    RoutingRecorder,
+    RoutingStats,
+    activation_bytes,
+    auto_gpu_experts,
+    hybrid_experts_factory,
+)
 from hybrid.sampling import SamplingParams, sample
 
 
@@ -42,56 +51,84 @@ def build_model(cls: type[MoECausalLM], config, engine: EngineConfig, backends: 
 
 
 class LLM:
-    def __init__(self, path: str | Path, device: str = "cpu", dtype: str = "bfloat16",
-                 max_model_len: int | None = None, block_size: int = 16, numa_partitions: int | None = None,
-                 expert_activations: str = "int8", kernels: str = "auto", gpu_experts: int = 0,
-                 routing_stats: str | None = None):
-        self.engine_config = EngineConfig(device=device, dtype=dtype, max_model_len=max_model_len,
-                                          block_size=block_size, numa_partitions=numa_partitions,
-                                          expert_activations=expert_activations, kernels=kernels,
-                                          gpu_experts=gpu_experts, routing_stats=routing_stats)
+    def __init__(self, path: str | Path, config: EngineConfig | None = None, **options):
+        """`options` are `EngineConfig` fields (device="cuda", dtype="bfloat16", gpu_experts=16, ...); or pass a
+        whole `config` (what the CLIs build)."""
+        if config is not None and options:
+            raise TypeError("pass either an EngineConfig or its fields as keywords, not both")
+        self.engine_config = cfg = config or EngineConfig(**options)
         cls, self.config = load_model_config(path)
-        # Placement, decided once: a converted directory's routed experts run on the CPU operator; a plain
-        # checkpoint's run through the PyTorch reference on the engine's device.
+        self.max_model_len = cfg.max_model_len or min(self.config.max_position_embeddings, 4096)
+        block_size = cfg.block_size
+        num_blocks = blocks_needed(max(cfg.kv_cache_tokens or 4 * self.max_model_len, self.max_model_len), block_size)
+        # Placement, decided once: a converted directory's routed experts run on the CPU operator (some of them on
+        # the GPU with gpu_experts); a plain checkpoint's run through the PyTorch reference on the engine's device.
         is_converted = read_manifest(Path(path)) is not None
-        int8_activations = expert_activations == "int8"
-        make_experts = self._converted_experts_factory(int8_activations) if is_converted else None
-        backends = Backends.for_device(device, self.config, block_size, self.engine_config.torch_dtype, kernels,
+        self.num_gpu_experts = 0
+        make_experts = None
+        if is_converted:
+            self.num_gpu_experts = self._resolve_gpu_experts(cls, num_blocks)
+            make_experts = self._converted_experts_factory(self.num_gpu_experts)
+        backends = Backends.for_device(cfg.device, self.config, block_size, cfg.torch_dtype, cfg.kernels,
                                        make_experts)
-        self.model = build_model(cls, self.config, self.engine_config, backends)
-        partitions = numa_partitions or len(discover_nodes())
+        self.model = build_model(cls, self.config, cfg, backends)
+        partitions = cfg.numa_partitions or len(discover_nodes())
         load_weights(self.model, path, partitions, keep_quantized=backends.keep_quantized)
         for module in self.model.modules():
             if hasattr(module, "fuse_gate_up"):
                 module.fuse_gate_up()  # the kernels' stacked gate/up layout (MLPs: only when the ops use it)
-        self.max_model_len = max_model_len or min(self.config.max_position_embeddings, 4096)
         self.routing_recorder: RoutingRecorder | None = None
+        if cfg.record_routing:
+            self.record_routing()
         # CPU experts of a converted model run on one executor thread, overlapped with the shared experts
         self.cpu_executor = bind_cpu_executor(self.model, self.max_model_len, torch.float32) if is_converted else None
-        num_blocks = blocks_needed(self.max_model_len, block_size)
         self.allocator = BlockAllocator(num_blocks)
-        self.kv_caches = allocate_kv_cache(
-            self.model.attention_layers(), num_blocks, block_size, self.engine_config.torch_dtype, device
-        )
+        self.kv_caches = allocate_kv_cache(self.model.attention_layers(), num_blocks, block_size, cfg.torch_dtype,
+                                           cfg.device)
         self.num_forward_tokens = 0
 
     def record_routing(self) -> RoutingRecorder:
         """Starts counting the experts each MoE layer routes to; `recorder.stats().write(path)` saves them for
-        `routing_stats=` (GPU-resident experts) of a later run."""
+        `routing_stats=` (GPU-resident experts) of a later run; with `record_routing=FILE`, `close()` does."""
         if self.routing_recorder is None:
             self.routing_recorder = RoutingRecorder(self.config.moe.num_experts)
             self.routing_recorder.attach(self.model)
         return self.routing_recorder
 
-    def _converted_experts_factory(self, int8_activations: bool):
+    def close(self) -> None:
+        """Writes the routing statistics (`record_routing=FILE`) and stops the CPU experts' executor."""
+        if self.routing_recorder is not None and self.engine_config.record_routing:
+            self.routing_recorder.stats().write(self.engine_config.record_routing)
+        if self.cpu_executor is not None:
+            self.cpu_executor.close()
+
+    def _resolve_gpu_experts(self, cls: type[MoECausalLM], num_blocks: int) -> int:
+        """`gpu_experts` as a count: "auto" fills the device memory left after the dense weights, the KV cache and
+        a reserve for activations (estimated on the meta device, before anything is allocated)."""
+        cfg = self.engine_config
+        if cfg.gpu_experts != "auto":
+            return cfg.gpu_experts
+        if not cfg.is_cuda:
+            return 0
+        total = torch.cuda.get_device_properties(torch.device(cfg.device)).total_memory
+        meta = build_model(cls, self.config, replace(cfg, device="meta"),
+                           Backends(make_experts=partial(cpu_experts_factory, int8_activations=True)))
+        dense_bytes = sum(t.numel() * t.element_size() for t in itertools.chain(meta.parameters(), meta.buffers()))
+        kv_bytes = kv_bytes_per_token(meta.attention_layers(), cfg.torch_dtype) * num_blocks * cfg.block_size
+        return auto_gpu_experts(self.config, int(total * cfg.gpu_memory_utilization), dense_bytes + kv_bytes,
+                                activation_bytes(self.config, self.max_model_len, cfg.torch_dtype),
+                                torch.empty((), dtype=cfg.torch_dtype).element_size())
+
+    def _converted_experts_factory(self, num_gpu_experts: int):
         """The CPU operator for every routed expert, or `HybridExperts` where `gpu_experts` keeps some on the
         engine's device (placement chosen here, once)."""
         cfg = self.engine_config
-        if cfg.gpu_experts == 0:
+        int8_activations = cfg.expert_activations == "int8"
+        if num_gpu_experts == 0:
             return partial(cpu_experts_factory, int8_activations=int8_activations)
         stats = RoutingStats.read(cfg.routing_stats) if cfg.routing_stats else None
         moe_layers = [i for i, is_moe in enumerate(self.config.moe_layers) if is_moe]
-        placement = ExpertPlacement.choose(moe_layers, self.config.moe.num_experts, cfg.gpu_experts, stats)
+        placement = ExpertPlacement.choose(moe_layers, self.config.moe.num_experts, num_gpu_experts, stats)
         is_fused = uses_gemm_kernels(cfg.device, cfg.kernels, cfg.torch_dtype)
         return partial(hybrid_experts_factory, placement=placement, int8_activations=int8_activations,
                        is_fused=is_fused)

@@ -55,12 +55,18 @@ class RoutingRecorder:
                     module.recorder = (self, layer_idx)
 
     def add(self, layer_idx: int, topk_ids: torch.Tensor) -> None:
-        ids = topk_ids[topk_ids >= 0].long().flatten().cpu()
-        counts = torch.bincount(ids, minlength=self.num_experts)
-        self.counts[layer_idx] = self.counts.get(layer_idx, torch.zeros_like(counts)) + counts
+        """Counts stay on the ids' device with no host sync, so recording works inside a CUDA graph; ids of -1
+        (padding, experts another module computes) land in an extra last slot that `stats` drops."""
+        counts = self.counts.get(layer_idx)
+        if counts is None:
+            counts = self.counts[layer_idx] = torch.zeros(self.num_experts + 1, dtype=torch.int64,
+                                                          device=topk_ids.device)
+        ids = topk_ids.long().flatten()
+        ids = torch.where(ids >= 0, ids, self.num_experts)
+        counts.index_add_(0, ids, torch.ones_like(ids))
 
     def stats(self) -> RoutingStats:
-        return RoutingStats({layer: c.tolist() for layer, c in self.counts.items()})
+        return RoutingStats({layer: c[:-1].tolist() for layer, c in self.counts.items()})
 
 
 @dataclass(frozen=True)
@@ -81,6 +87,25 @@ class ExpertPlacement:
             ranked = sorted(range(num_experts), key=lambda e: (-counts[e], e))  # most routed first, ties by id
             chosen[layer] = tuple(sorted(ranked[:num_gpu_experts]))
         return cls(chosen)
+
+
+def auto_gpu_experts(config, budget_bytes: int, used_bytes: int, reserve_bytes: int, element_size: int) -> int:
+    """`gpu_experts=auto`: how many routed experts per MoE layer fit in `budget_bytes` of device memory once
+    `used_bytes` (dense weights, KV cache) and `reserve_bytes` (activations, graphs) are taken; in [0, E]."""
+    moe = config.moe
+    num_moe_layers = sum(config.moe_layers)
+    if num_moe_layers == 0:
+        return 0
+    expert_bytes = 3 * config.hidden_size * moe.intermediate_size * element_size  # gate, up, down
+    free = budget_bytes - used_bytes - reserve_bytes
+    return max(0, min(moe.num_experts, free // (expert_bytes * num_moe_layers)))
+
+
+def activation_bytes(config, max_tokens: int, dtype: torch.dtype) -> int:
+    """A generous bound on a step's transient device memory: a few [T, max(H, I, V-chunk)] buffers in float32
+    plus the logits, plus 1 GiB for the CUDA context, graphs and kernels' workspaces."""
+    width = max(config.hidden_size, config.moe.intermediate_size * config.moe.top_k, 4 * config.hidden_size)
+    return 8 * max_tokens * width * 4 + 64 * config.vocab_size * 4 + (1 << 30)
 
 
 class HybridExperts(TritonExperts):
