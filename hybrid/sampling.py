@@ -1,12 +1,19 @@
 """Token sampling from float32 logits: greedy, or temperature with top-k, top-p and min-p filtering; repetition
 (HF's: seen tokens' logits divided, or multiplied when negative), presence and frequency (OpenAI's: subtracted per
-generated token) penalties applied first."""
+generated token) penalties applied first.
+
+`sample_batch` is what the engine runs: every row of a step at once on the logits' device, with one
+device-to-host transfer for the tokens and their logprobs. `sample` and `apply_penalties` are the one-parameter-set
+references it is tested against."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -19,6 +26,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # 1: off; > 1 discourages tokens of the prompt and the output
     presence_penalty: float = 0.0  # subtracted once from every token already generated
     frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens
+    logprobs: int | None = None  # None: none; 0: the sampled token's; k: also the k most likely tokens'
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -34,6 +42,8 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be None or in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
     @property
     def has_penalties(self) -> bool:
@@ -42,6 +52,27 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class RowInputs:
+    """One row of `sample_batch`: its parameters, its own generator (a seeded request) or None (the batch's shared
+    one), and the token ids its penalties look at."""
+
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    prompt_ids: Sequence[int] = ()
+    output_ids: Sequence[int] = ()
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    """Per row, on the host: the sampled token, its logprob, and its `params.logprobs` most likely tokens as
+    (token id, logprob) pairs, most likely first (empty for logprobs=0; both None where logprobs is None)."""
+
+    token_ids: list[int]
+    logprobs: list[float | None]
+    top_logprobs: list[tuple[tuple[int, float], ...] | None]
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
@@ -76,3 +107,134 @@ def apply_penalties(logits: torch.Tensor, prompt_ids: list[int], output_ids: lis
         counts = torch.zeros_like(logits).index_add_(0, ids, torch.ones_like(ids, dtype=logits.dtype))
         logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
     return logits
+
+
+def sample_batch(logits: torch.Tensor, rows: Sequence[RowInputs],
+                 generator: torch.Generator | None = None) -> SampleResult:
+    """logits [N, V] float32 on the device, one `RowInputs` per row -> the rows' tokens and logprobs on the host.
+
+    Per row: penalties (`apply_penalties`), then argmax for a greedy row, or temperature, top-k, min-p and top-p
+    (`sample`'s semantics) and a draw for a random one. A row with a generator draws its noise from it alone, so a
+    seeded request gets the same tokens whatever it is batched with; the other random rows share `generator` (None:
+    the device's default one).
+
+    Logprobs are log_softmax of the penalised logits, before temperature and top-k/top-p/min-p: the distribution
+    the model and the request's penalties put on the next token, whatever filter then picked it (vLLM's default
+    returns the raw model's, before penalties; the two agree for a request without penalties).
+
+    Everything stays on the device up to one `.tolist()` of a packed float64 tensor (token ids are exact in it), so
+    a CUDA step waits for the GPU once."""
+    if not rows:
+        return SampleResult([], [], [])
+    logits = apply_penalties_batch(logits, rows)
+    tokens = logits.argmax(dim=-1)  # [N]: the greedy rows' tokens; the random rows' are replaced below
+    random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
+    if random_rows:
+        index = _to_device(random_rows, torch.long, logits.device)
+        probs = filtered_probs(logits.index_select(0, index), [rows[i].params for i in random_rows])
+        drawn = _exponential_race(probs, [rows[i].generator for i in random_rows], generator)
+        tokens = tokens.index_copy(0, index, drawn)
+    logprob_rows = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    num_top = min(max((rows[i].params.logprobs for i in logprob_rows), default=0), logits.shape[-1])
+    parts = [tokens]
+    if logprob_rows:
+        index = _to_device(logprob_rows, torch.long, logits.device)
+        logprobs = torch.log_softmax(logits.index_select(0, index), dim=-1)  # [L, V]
+        parts.append(logprobs.gather(-1, tokens.index_select(0, index)[:, None]).squeeze(-1))
+        if num_top:
+            top = logprobs.topk(num_top, dim=-1)  # [L, num_top], each row cut to its own k on the host
+            parts += [top.indices.flatten(), top.values.flatten()]
+    values = torch.cat([part.to(torch.float64) for part in parts]).tolist()  # the one device-to-host transfer
+    return _unpack(values, rows, logprob_rows, num_top)
+
+
+def apply_penalties_batch(logits: torch.Tensor, rows: Sequence[RowInputs]) -> torch.Tensor:
+    """logits [N, V] -> penalised copy (`logits` itself when no row has penalties): `apply_penalties` on each row,
+    built for the P rows with penalties as a seen-token mask [P, V] and output-token counts [P, V], indexed flat."""
+    penalised = [i for i, row in enumerate(rows) if row.params.has_penalties]
+    if not penalised:
+        return logits
+    num_vocab = logits.shape[-1]
+    seen: list[int] = []  # p * V + token id: row p (among the penalised) has seen the token
+    generated: list[int] = []  # the same for each generated token, repeats included: they count
+    for p, i in enumerate(penalised):
+        row = rows[i]
+        if row.params.repetition_penalty != 1.0:
+            seen += [p * num_vocab + t for t in set(row.prompt_ids) | set(row.output_ids)]
+        if row.params.presence_penalty or row.params.frequency_penalty:
+            generated += [p * num_vocab + t for t in row.output_ids]
+    device = logits.device
+    flat = _to_device(seen + generated, torch.long, device)
+    knobs = _to_device([[rows[i].params.repetition_penalty, rows[i].params.presence_penalty,
+                         rows[i].params.frequency_penalty] for i in penalised], logits.dtype, device)
+    repetition, presence, frequency = knobs[:, 0:1], knobs[:, 1:2], knobs[:, 2:3]  # [P, 1] each
+    index = _to_device(penalised, torch.long, device)
+    sub = logits.index_select(0, index)  # [P, V]
+    is_seen = torch.zeros(sub.numel(), dtype=torch.bool, device=device).index_fill_(0, flat[:len(seen)], True)
+    sub = torch.where(is_seen.view_as(sub), torch.where(sub > 0, sub / repetition, sub * repetition), sub)
+    ones = torch.ones(len(generated), dtype=sub.dtype, device=device)
+    counts = torch.zeros(sub.numel(), dtype=sub.dtype, device=device).index_add_(0, flat[len(seen):], ones)
+    counts = counts.view_as(sub)
+    sub = sub - (frequency * counts + presence * (counts > 0).to(sub.dtype))
+    return logits.index_copy(0, index, sub)
+
+
+def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """logits [R, V] of random rows -> unnormalised probs [R, V] after each row's temperature, top-k, min-p and
+    top-p, filtered tokens at 0 (`sample`'s semantics, each row with its own knobs)."""
+    num_vocab = logits.shape[-1]
+    knobs = _to_device([[p.temperature, min(p.top_k or num_vocab, num_vocab), p.top_p, p.min_p] for p in params],
+                       torch.float32, logits.device)
+    temperature, top_k, top_p, min_p = (knobs[:, j:j + 1] for j in range(4))  # [R, 1] each
+    logits = logits / temperature
+    if not any(p.top_k or p.top_p < 1 for p in params):
+        probs = torch.softmax(logits, dim=-1)
+        return probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
+    # One sort serves both: top-k compares with the k-th largest logit, top-p walks the probabilities in the same
+    # order (softmax keeps it), so every filter runs in sorted order and the result is scattered back once.
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    kth = sorted_logits.gather(-1, top_k.long() - 1)  # a row without top-k has k = V: nothing is below
+    probs = torch.softmax(sorted_logits.masked_fill(sorted_logits < kth, float("-inf")), dim=-1)
+    probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
+    # Drop a token when the tokens ranked above it already cover top_p; the first token always stays. A row with
+    # top_p = 1 keeps all: its cumsum may round above 1.
+    drop = (probs.cumsum(dim=-1) - probs > top_p) & (top_p < 1.0)
+    return torch.zeros_like(probs).scatter_(-1, order, probs.masked_fill(drop, 0.0))
+
+
+def _to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list -> a tensor on `device` without waiting for the GPU: a blocking host-to-device copy synchronises
+    the stream, i.e. waits for the forward pass still queued on it."""
+    return torch.tensor(data, dtype=dtype).to(device, non_blocking=True)
+
+
+def _exponential_race(probs: torch.Tensor, generators: Sequence[torch.Generator | None],
+                      generator: torch.Generator | None) -> torch.Tensor:
+    """probs [R, V] (unnormalised) -> token ids [R]: argmax(probs / E), E ~ Exponential(1) per token, picks token
+    i with probability probs[i] / sum(probs) (the Gumbel-max trick), and unlike multinomial lets each row draw its
+    noise from its own generator."""
+    noise = torch.empty_like(probs)
+    if any(g is None for g in generators):
+        noise.exponential_(generator=generator)
+    for i, g in enumerate(generators):
+        if g is not None:
+            noise[i].exponential_(generator=g)  # [V] whatever the batch: the same draws alone or batched
+    # A draw of exactly 0 would make a filtered token's 0 / 0 a NaN, which argmax takes for the maximum.
+    return (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+
+
+def _unpack(values: list[float], rows: Sequence[RowInputs], logprob_rows: list[int], num_top: int) -> SampleResult:
+    """`sample_batch`'s packed transfer -> per-row results: N tokens, then L sampled logprobs, then L * num_top top
+    ids and as many top logprobs (L: the rows asking for logprobs)."""
+    num_rows, num_logprob_rows = len(rows), len(logprob_rows)
+    tokens = [int(v) for v in values[:num_rows]]
+    logprobs: list[float | None] = [None] * num_rows
+    top_logprobs: list[tuple[tuple[int, float], ...] | None] = [None] * num_rows
+    top_ids = values[num_rows + num_logprob_rows:][:num_logprob_rows * num_top]
+    top_values = values[num_rows + num_logprob_rows + num_logprob_rows * num_top:]
+    for j, i in enumerate(logprob_rows):
+        logprobs[i] = values[num_rows + j]
+        k = rows[i].params.logprobs
+        ids, lps = top_ids[j * num_top:j * num_top + k], top_values[j * num_top:j * num_top + k]
+        top_logprobs[i] = tuple((int(t), lp) for t, lp in zip(ids, lps, strict=True))
+    return SampleResult(tokens, logprobs, top_logprobs)
