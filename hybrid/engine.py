@@ -21,7 +21,7 @@ import torch
 
 from hybrid.block_manager import PrefixCachingBlockManager
 from hybrid.forward_batch import ForwardBatch, SequenceSlice
-from hybrid.sampling import SamplingParams, apply_penalties, sample
+from hybrid.sampling import RowInputs, SampleResult, SamplingParams, sample_batch
 from hybrid.scheduler import Request, ScheduledChunk, Scheduler
 
 
@@ -30,6 +30,8 @@ class StepOutput:
     request_id: int
     new_token: int
     finish_reason: str | None  # "stop", "length", or None while the request goes on
+    logprob: float | None = None  # the new token's, when the request's params.logprobs asked (see sample_batch)
+    top_logprobs: tuple[tuple[int, float], ...] | None = None  # (token id, logprob), most likely first
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,19 @@ class Engine:
         self.requests: dict[int, Request] = {}
         self._ids = itertools.count()
         self._generators: dict[int, torch.Generator] = {}
+        self.graph_runner = self._graph_runner(max_num_seqs)
+
+    def _graph_runner(self, max_num_seqs: int):
+        """Decode as CUDA graphs where they can run: CUDA, the Triton attention kernels (the PyTorch attention
+        loops over host lengths, which a graph would freeze), and `cuda_graph` left on."""
+        cfg = self.llm.engine_config
+        if not (cfg.cuda_graph and cfg.is_cuda and self.llm.backends.attention.name == "triton"):
+            return None
+        from hybrid.cuda_graphs import CudaGraphRunner
+
+        runner = CudaGraphRunner(self.llm, min(cfg.max_graph_batch, max_num_seqs))
+        runner.capture()
+        return runner
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None, max_tokens: int = 16,
                     stop_token_ids: list[int] | None = None, ignore_eos: bool = False) -> int:
@@ -89,6 +104,10 @@ class Engine:
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.blocks.num_blocks,
                            self.blocks.num_free)
 
+    def close(self) -> None:
+        if self.graph_runner is not None:
+            self.graph_runner.close()
+
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
@@ -98,7 +117,10 @@ class Engine:
         if not chunks:
             return []
         logits = self._run(chunks)
-        return self._update(chunks, logits)
+        outputs = self._update(chunks, logits)
+        if self.graph_runner is not None:
+            self.graph_runner.finish_step()  # the update read the logits: the step's GPU work is over
+        return outputs
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | None = None, max_tokens: int = 16,
                  ignore_eos: bool = False) -> list[list[int]]:
@@ -118,34 +140,39 @@ class Engine:
             row += chunk.num_new
             if chunk.is_last:
                 rows.append(row)
+        self.llm.num_forward_tokens += len(input_ids)
+        runner = self.graph_runner
+        is_decode = all(c.num_new == 1 and c.is_last for c in chunks)  # each row samples its request's next token
+        if runner is not None and is_decode and runner.can_run(len(seqs)):
+            return runner.run(seqs, input_ids)
         batch = ForwardBatch.build(seqs, self.block_size, self.device)
         hidden = self.llm.model(torch.tensor(input_ids, dtype=torch.int64, device=self.device), batch)
-        self.llm.num_forward_tokens += len(input_ids)
         if not rows:
             return hidden.new_empty(0)
         return self.llm.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
 
     def _update(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[StepOutput]:
-        outputs, row = [], 0
+        sampled = [chunk.request for chunk in chunks if chunk.is_last]  # logits' rows, in order; before num_computed
         for chunk in chunks:
             r = chunk.request
-            is_last = chunk.is_last
             r.num_computed += chunk.num_new
             self.blocks.cache_full_blocks(r.block_table, r.token_ids[:r.num_computed])
-            if not is_last:
-                continue
-            token = self._sample(r, logits[row])
-            row += 1
+        if not sampled:
+            return []
+        result = self._sample(sampled, logits)
+        outputs = []
+        for i, r in enumerate(sampled):
+            token = result.token_ids[i]
             r.output_ids.append(token)
             reason = "stop" if token in r.stop_token_ids else "length" if len(r.output_ids) >= r.max_tokens else None
             if reason:
                 self.scheduler.finish(r, reason)
                 self._generators.pop(r.request_id, None)
-            outputs.append(StepOutput(r.request_id, token, reason))
+            outputs.append(StepOutput(r.request_id, token, reason, result.logprobs[i], result.top_logprobs[i]))
         return outputs
 
-    def _sample(self, request: Request, logits: torch.Tensor) -> int:
-        params = request.params
-        if params.has_penalties:
-            logits = apply_penalties(logits, request.prompt_ids, request.output_ids, params)
-        return int(sample(logits[None], params, self._generators.get(request.request_id))[0])
+    def _sample(self, requests: list[Request], logits: torch.Tensor) -> SampleResult:
+        """logits [len(requests), V] -> every request's next token in one batched draw (one host sync); a seeded
+        request draws from its own generator, the rest from the device's default one."""
+        rows = [RowInputs(r.params, self._generators.get(r.request_id), r.prompt_ids, r.output_ids) for r in requests]
+        return sample_batch(logits, rows)

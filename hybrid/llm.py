@@ -29,7 +29,7 @@ from hybrid.placement import (
     auto_gpu_experts,
     hybrid_experts_factory,
 )
-from hybrid.sampling import SamplingParams, sample
+from hybrid.sampling import RowInputs, SamplingParams, sample_batch
 
 
 def build_model(cls: type[MoECausalLM], config, engine: EngineConfig, backends: Backends | None = None):
@@ -71,6 +71,7 @@ class LLM:
             make_experts = self._converted_experts_factory(self.num_gpu_experts)
         backends = Backends.for_device(cfg.device, self.config, block_size, cfg.torch_dtype, cfg.kernels,
                                        make_experts)
+        self.backends = backends
         self.model = build_model(cls, self.config, cfg, backends)
         partitions = cfg.numa_partitions or len(discover_nodes())
         load_weights(self.model, path, partitions, keep_quantized=backends.keep_quantized)
@@ -163,7 +164,8 @@ class LLM:
             while len(output) < max_new_tokens:
                 hidden = self._step(new, num_computed, blocks)
                 num_computed += len(new)
-                token = int(sample(self.model.compute_logits(hidden[-1:]), params, generator)[0])
+                logits = self.model.compute_logits(hidden[-1:])
+                token = sample_batch(logits, [RowInputs(params, generator)]).token_ids[0]
                 output.append(token)
                 if token in stops:
                     break

@@ -356,3 +356,16 @@ def write_config(path, update: dict | None = None, remove: tuple[str, ...] = ())
         cfg.pop(key, None)
     file.write_text(json.dumps(cfg, indent=2))
     return cfg
+
+
+def kernel_config(name: str):
+    """The variant with head dims the kernels take: GQA head_dim 64; MLA latent 64, nope 32, rope 16, v 32."""
+    cfg = VARIANTS[name]()
+    values = cfg.to_dict()
+    if "kv_lora_rank" in values:
+        values.update(kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32)
+        for derived in ("qk_head_dim", "head_dim"):
+            values.pop(derived, None)
+    else:
+        values.update(head_dim=64)
+    return type(cfg)(**values)

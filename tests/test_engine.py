@@ -45,6 +45,29 @@ def test_continuous_batching_matches_each_request_alone(checkpoint):
     assert engine.blocks.num_free == engine.blocks.num_blocks
 
 
+def test_seeded_request_is_the_same_alone_and_batched(checkpoint):
+    """A seeded request draws from its own generator in the batched sampler: the tokens it gets alone (engine or
+    LLM.generate) whatever three other requests (greedy, unseeded with penalties, another seed with logprobs) share
+    its steps."""
+    params = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=1234)
+    llm = LLM(checkpoint, device="cpu", dtype="float32")
+    want = llm.generate(PROMPTS[2], 8, temperature=0.9, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
+    assert Engine(llm).generate([PROMPTS[2]], params, max_tokens=8, ignore_eos=True) == [want]
+    engine = Engine(llm, max_num_batched_tokens=24, max_num_seqs=4)
+    requests = [(PROMPTS[5], SamplingParams()),
+                (PROMPTS[0], SamplingParams(temperature=1.0, repetition_penalty=1.3, frequency_penalty=0.5)),
+                (PROMPTS[2], params),
+                (PROMPTS[4], SamplingParams(temperature=0.7, seed=99, logprobs=2))]
+    ids = [engine.add_request(p, q, max_tokens=8, ignore_eos=True) for p, q in requests]
+    steps = []
+    while engine.has_work():
+        steps.append(engine.step())
+    assert engine.requests[ids[2]].output_ids == want
+    with_logprobs = [o for step in steps for o in step if o.request_id == ids[3]]
+    assert len(with_logprobs) == 8 and all(o.logprob <= 0 and len(o.top_logprobs) == 2 for o in with_logprobs)
+    assert all(o.logprob is None for step in steps for o in step if o.request_id != ids[3])
+
+
 def test_prefix_cache_hit_gives_identical_output(checkpoint):
     llm = LLM(checkpoint, device="cpu", dtype="float32")
     engine = Engine(llm)

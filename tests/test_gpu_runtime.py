@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import transformers
-from checkpoints import SEEDS, VARIANTS, hf_generate, hf_logits, make_checkpoint, prompt
+from checkpoints import SEEDS, hf_generate, hf_logits, kernel_config, make_checkpoint, prompt
 from gpu_support import DEVICE
 
 from hybrid import LLM
@@ -19,19 +19,6 @@ from hybrid.layers.moe import TritonExperts
 
 transformers.logging.set_verbosity_error()
 REL_TOL = 1e-4  # float32 end to end (the attention kernels' float32 dots are exact, not tf32)
-
-
-def kernel_config(name: str):
-    """The variant with head dims the kernels take: GQA head_dim 64; MLA latent 64, nope 32, rope 16, v 32."""
-    cfg = VARIANTS[name]()
-    values = cfg.to_dict()
-    if "kv_lora_rank" in values:
-        values.update(kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32)
-        for derived in ("qk_head_dim", "head_dim"):
-            values.pop(derived, None)
-    else:
-        values.update(head_dim=64)
-    return type(cfg)(**values)
 
 
 def _checkpoint(tmp_path, name):

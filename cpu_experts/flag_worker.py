@@ -1,0 +1,149 @@
+"""The CPU side of the CUDA-graph hand-off: a worker that serves MoE layers requested through flags in page-locked
+memory, so a captured decode graph can hand routed tokens to the CPU experts and wait for their result without
+the host launching anything.
+
+Protocol, per step (the device side is `hybrid.cuda_graphs.GraphHandoff` with the kernels of
+`gpu_layers.handoff`):
+1. the host `arm(num_tokens, num_layers)`s the worker, then replays the graph;
+2. for each MoE layer the graph copies hidden [T, H], topk_ids [T, K] and topk_weights [T, K] into the fixed
+   pinned buffers, then stores layer + 1 into the request flag;
+3. the worker, spinning on that flag without the GIL (`spin_until_nonzero`), clears it, runs `compute` on the
+   buffers, and stores layer + 1 into the done flag;
+4. the graph, spinning on the done flag (bounded), clears it and copies `out_buffer` back.
+Each flag value is written by one side and cleared by the other, and the next layer's request is only posted
+after the previous layer's done was consumed, so the fixed values a graph bakes in are enough: no counters.
+
+A compute error does not stall the GPU: the worker still posts done (the step's output is then garbage) and
+`finish_step` raises it once the host has synchronised; so does a step whose layers were not all served (a
+device-side wait that timed out, a dead worker).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+
+import torch
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
+
+from cpu_experts.executor import Compute, CpuExpertsError, _ExpertsBase
+from cpu_experts.topology import pin_current_thread
+
+# int32 slots of the flags tensor: request and done on separate 64-byte lines
+REQUEST, DONE = 0, 16
+# Spins per nogil call before the worker looks at its stop flag again (about a millisecond).
+_SPINS_PER_CALL = 1 << 20
+
+
+@intrinsic
+def _load_acquire(typingctx, address):
+    """An acquire load of the int32 at `address`: never hoisted out of a loop, never reordered after the reads of
+    the buffers it guards."""
+
+    def codegen(context, builder, signature, args):
+        pointer = builder.inttoptr(args[0], ir.IntType(32).as_pointer())
+        return builder.load_atomic(pointer, "acquire", 4)
+
+    return types.int32(types.int64), codegen
+
+
+@njit(nogil=True, cache=True)
+def spin_until_nonzero(address: int, max_spins: int) -> int:
+    """The int32 at `address` once it is nonzero, or 0 after `max_spins` reads."""
+    for _ in range(max_spins):
+        value = _load_acquire(address)
+        if value != 0:
+            return value
+    return 0
+
+
+class FlagWorker(_ExpertsBase):
+    """Pinned staging buffers ([max_tokens, ...], as `AsyncExperts`) and flags, served by a daemon thread."""
+
+    def __init__(self, compute: Compute, max_tokens: int, hidden_size: int, top_k: int,
+                 dtype: torch.dtype = torch.float32, pin_memory: bool | None = None,
+                 worker_cpus: tuple[int, ...] | None = None):
+        super().__init__(compute, max_tokens, hidden_size, top_k, dtype, pin_memory)
+        self.flags = torch.zeros(32, dtype=torch.int32, pin_memory=self.pin_memory)
+        self.worker_cpus = worker_cpus
+        self._wake = threading.Condition()
+        self._job: tuple[int, int] | None = None  # (T, layers) of the armed step, guarded by _wake
+        self._step_done = threading.Event()
+        self._step_done.set()
+        self._stop = False
+        self._served = 0
+        self._expected = 0
+        self.compute_seconds = 0.0  # of the last step, for benchmarks' breakdowns
+        self._thread = threading.Thread(target=self._worker, name="cpu-experts-graph", daemon=True)
+        self._thread.start()
+
+    def flag_address(self, slot: int) -> int:
+        return self.flags.data_ptr() + slot * self.flags.element_size()
+
+    def arm(self, num_tokens: int, num_layers: int) -> None:
+        """Serve the next `num_layers` requests over the first `num_tokens` rows of the buffers."""
+        if not 1 <= num_tokens <= self.max_tokens:
+            raise ValueError(f"num_tokens must be in [1, {self.max_tokens}], got {num_tokens}")
+        if not self._thread.is_alive():
+            raise CpuExpertsError("the CPU experts graph worker is not running")
+        if not self._step_done.is_set():
+            raise RuntimeError("arm() called while the previous step is still being served: call finish_step()")
+        self._step_done.clear()
+        with self._wake:
+            self._job, self._served, self._expected, self._error = (num_tokens, num_layers), 0, num_layers, None
+            self._wake.notify()
+
+    def finish_step(self, timeout: float = 10.0) -> None:
+        """After the host synchronised with the step's GPU work: raise if a layer failed or was not served."""
+        if not self._step_done.wait(timeout):
+            served, expected = self._served, self._expected
+            self._stop_serving()
+            raise CpuExpertsError(f"CPU experts served {served} of {expected} MoE layers of the step (a "
+                                  f"device-side wait timed out, or the worker hung)")
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise CpuExpertsError(f"CPU experts failed: {type(error).__name__}: {error}") from error
+
+    def close(self, timeout: float | None = 5.0) -> None:
+        self._stop = True
+        with self._wake:
+            self._wake.notify()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def _stop_serving(self) -> None:
+        """Abandon the armed step (its device side timed out); the worker waits for the next arm."""
+        with self._wake:
+            self._job = None
+            self._expected = self._served
+        self.flags.zero_()
+
+    def _worker(self) -> None:
+        pin_current_thread(self.worker_cpus)
+        request = ctypes.c_int32.from_address(self.flag_address(REQUEST))
+        done = ctypes.c_int32.from_address(self.flag_address(DONE))
+        while True:
+            with self._wake:
+                self._wake.wait_for(lambda: self._job is not None or self._stop)
+                if self._stop:
+                    return
+                num_tokens, num_layers = self._job
+                self._job = None
+            self.compute_seconds = 0.0
+            while self._served < min(num_layers, self._expected) and not self._stop:
+                value = spin_until_nonzero(self.flag_address(REQUEST), _SPINS_PER_CALL)
+                if value == 0:
+                    continue
+                request.value = 0
+                start = time.perf_counter()
+                try:
+                    self._run(value - 1, num_tokens)
+                except Exception as exc:  # reported by finish_step; done is still posted so the GPU moves on
+                    self._error = self._error or exc
+                self.compute_seconds += time.perf_counter() - start
+                done.value = value
+                self._served += 1
+            self._step_done.set()

@@ -1,0 +1,190 @@
+"""Decode steps replayed as CUDA graphs, one per batch-size bucket, with the CPU experts' hand-off inside them.
+
+A decode step (every sequence runs one token) has fixed shapes once its batch is padded to a bucket (1, 2, 4, 8,
+... up to `max_graph_batch`), so its launches are captured once and replayed: the GPU no longer waits on Python
+launching a few hundred kernels per token. Inputs live in static device buffers that each step overwrites
+(`_fill`); padded rows write no KV (slot -1), attend to one key and route no token to the CPU. The decode
+kernels size their grids by the largest context (`max_model_len`), so one graph serves every context length.
+
+CPU experts inside the graph: while capturing, each `CpuExperts` module is bound to a `GraphHandoff` (the
+executor API, `submit`/`sync`, done with device work only): submit copies the layer's routed tokens into the
+`FlagWorker`'s pinned buffers and posts the layer on a flag; the shared and GPU-resident experts run; sync waits
+on the GPU for the worker's done flag and copies the output back. The host arms the worker before each replay and
+checks it once the step has synchronised (`finish_step`).
+
+Contract with the engine: `can_run(num_seqs)`, `run(seqs, input_ids) -> logits [num_seqs, V]` (a view of the
+graph's output, valid until the next step), then `finish_step()` after the host has read what it needs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cpu_experts.flag_worker import DONE, REQUEST, FlagWorker
+from cpu_experts.module import CpuExperts
+from gpu_layers.handoff import post_flag, wait_flag
+from hybrid.block_manager import blocks_needed
+from hybrid.forward_batch import ForwardBatch, SequenceSlice
+
+
+class GraphHandoff:
+    """The executor API of `cpu_experts.executor` for captured graphs: only device work and copies, no host
+    decisions. Rows at or past the step's batch (`valid_rows` False) are routed nowhere (ids -1)."""
+
+    def __init__(self, worker: FlagWorker, device: torch.device):
+        self.worker = worker
+        self.dtype = worker.dtype
+        self.valid_rows = torch.zeros(worker.max_tokens, 1, dtype=torch.bool, device=device)
+        self.out = torch.zeros(worker.max_tokens, worker.hidden_size, dtype=worker.dtype, device=device)
+        self.request_flag = worker.flags[REQUEST:REQUEST + 1]
+        self.done_flag = worker.flags[DONE:DONE + 1]
+        self._pending: tuple[int, int] | None = None
+
+    def submit(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+        num_tokens = hidden.shape[0]
+        w = self.worker
+        w._validate(hidden, topk_ids, topk_weights)
+        topk_ids = topk_ids.masked_fill(~self.valid_rows[:num_tokens], -1)
+        w.hidden_buffer[:num_tokens].copy_(hidden, non_blocking=True)
+        w.ids_buffer[:num_tokens].copy_(topk_ids, non_blocking=True)
+        w.weights_buffer[:num_tokens].copy_(topk_weights, non_blocking=True)
+        post_flag(self.request_flag, layer + 1)  # stream order: after the copies have landed
+        self._pending = (layer, num_tokens)
+
+    def sync(self) -> torch.Tensor:
+        layer, num_tokens = self._pending
+        self._pending = None
+        wait_flag(self.done_flag, layer + 1)
+        self.out[:num_tokens].copy_(self.worker.out_buffer[:num_tokens], non_blocking=True)
+        return self.out[:num_tokens]
+
+
+def graph_buckets(max_batch: int) -> list[int]:
+    buckets, size = [], 1
+    while size < max_batch:
+        buckets.append(size)
+        size *= 2
+    return buckets + [max_batch]
+
+
+class CudaGraphRunner:
+    def __init__(self, llm, max_batch: int):
+        self.llm = llm
+        self.model = llm.model
+        cfg = llm.engine_config
+        self.device = torch.device(cfg.device)
+        self.block_size = cfg.block_size
+        self.max_model_len = llm.max_model_len
+        self.buckets = graph_buckets(max_batch)
+        max_blocks = blocks_needed(self.max_model_len, self.block_size)
+        n = self.buckets[-1]
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=self.device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=self.device)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=self.device)
+        self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=self.device)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=self.device)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=self.device)
+        self.cpu_modules = [m for m in self.model.modules() if isinstance(m, CpuExperts)]
+        self.worker = self.handoff = None
+        if self.cpu_modules:
+            executor = llm.cpu_executor
+            self.worker = FlagWorker(executor.compute, n, executor.hidden_size, executor.top_k, executor.dtype)
+            self.handoff = GraphHandoff(self.worker, self.device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self._armed = False
+
+    def can_run(self, num_seqs: int) -> bool:
+        return num_seqs <= self.buckets[-1]
+
+    def _batch(self, size: int) -> ForwardBatch:
+        # Host lengths only size the decode grids: the largest context any step can have.
+        return ForwardBatch(
+            positions=self.positions[:size], slot_mapping=self.slot_mapping[:size],
+            block_tables=self.block_tables[:size], seq_lens=self.seq_lens[:size],
+            query_start_loc=self.query_start_loc[:size + 1], block_size=self.block_size,
+            seq_lens_cpu=[self.max_model_len] * size, query_lens_cpu=[1] * size)
+
+    def _forward(self, size: int) -> torch.Tensor:
+        hidden = self.model(self.input_ids[:size], self._batch(size))
+        return self.model.compute_logits(hidden)  # [size, V] float32
+
+    def _bind(self, executor) -> None:
+        for module in self.cpu_modules:
+            module.bind(executor)
+
+    def _arm(self, size: int) -> None:
+        if self.worker is not None:
+            self.worker.arm(size, len(self.cpu_modules))
+            self._armed = True
+
+    def finish_step(self) -> None:
+        """After the host synchronised with the step: raise if the CPU side failed."""
+        if self._armed:
+            self._armed = False
+            self.worker.finish_step()
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Largest bucket first, all sharing one memory pool; each is run eagerly first (kernel compilation, the
+        allocator's warm-up) with every row padding, so nothing is written to the KV cache."""
+        previous = self.llm.cpu_executor
+        self._bind(self.handoff)
+        pool = None
+        try:
+            for size in reversed(self.buckets):
+                for _ in range(2):
+                    self._arm(size)
+                    self._forward(size)
+                    torch.cuda.synchronize(self.device)
+                    self.finish_step()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.logits[size] = self._forward(size)
+                pool = graph.pool()
+                self.graphs[size] = graph
+        finally:
+            self._bind(previous)
+
+    def run(self, seqs: list[SequenceSlice], input_ids: list[int]) -> torch.Tensor:
+        """One decode step of len(seqs) sequences (one new token each) -> float32 logits [len(seqs), V]."""
+        num_seqs = len(seqs)
+        size = next(b for b in self.buckets if b >= num_seqs)
+        self._fill(seqs, input_ids, size)
+        self._arm(size)
+        self.graphs[size].replay()
+        return self.logits[size][:num_seqs]
+
+    @torch.inference_mode()
+    def run_eagerly(self, seqs: list[SequenceSlice], input_ids: list[int]) -> torch.Tensor:
+        """The step `run` replays, launched op by op (same buffers, shapes and hand-off): checks and debugging."""
+        num_seqs = len(seqs)
+        size = next(b for b in self.buckets if b >= num_seqs)
+        self._fill(seqs, input_ids, size)
+        previous = self.llm.cpu_executor
+        self._bind(self.handoff)
+        try:
+            self._arm(size)
+            return self._forward(size)[:num_seqs]
+        finally:
+            self._bind(previous)
+
+    def _fill(self, seqs: list[SequenceSlice], input_ids: list[int], size: int) -> None:
+        positions = [s.num_computed for s in seqs]
+        slots = [s.block_table[p // self.block_size] * self.block_size + p % self.block_size
+                 for s, p in zip(seqs, positions, strict=True)]
+        num_pad = size - len(seqs)
+        tables = torch.zeros(size, self.block_tables.shape[1], dtype=torch.int32)
+        for row, s in enumerate(seqs):
+            tables[row, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
+        self.input_ids[:size].copy_(torch.tensor(input_ids + [0] * num_pad))
+        self.positions[:size].copy_(torch.tensor(positions + [0] * num_pad))
+        self.slot_mapping[:size].copy_(torch.tensor(slots + [-1] * num_pad))
+        self.seq_lens[:size].copy_(torch.tensor([p + 1 for p in positions] + [1] * num_pad, dtype=torch.int32))
+        self.block_tables[:size].copy_(tables)
+        if self.handoff is not None:
+            self.handoff.valid_rows[:size].copy_(torch.arange(size)[:, None] < len(seqs))
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()

@@ -1,0 +1,82 @@
+"""Decode as CUDA graphs with the CPU experts' hand-off inside them (device only): a replayed step gives exactly the
+logits of the same step launched op by op, for 100 steps, with routed tokens crossing to the CPU experts and back
+inside the graph; the graph engine generates what the eager engine generates; padded buckets and mixed steps
+(prefill chunks, which run eagerly) keep every request's output."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from checkpoints import SEEDS, kernel_config, make_checkpoint, prompt
+
+from cpu_experts.module import CpuExperts
+from hybrid import LLM
+from hybrid.engine import Engine
+from hybrid.forward_batch import SequenceSlice
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "deepseek_v3"])
+def converted(request, tmp_path_factory):
+    from convert.cli import main
+
+    root = tmp_path_factory.mktemp(request.param)
+    make_checkpoint(kernel_config(request.param), root / "src", seed=SEEDS[request.param])
+    assert main([str(root / "src"), str(root / "dst"), "--expert-dtype", "int8"]) == 0
+    return root / "dst"
+
+
+def test_replay_equals_the_same_step_launched_eagerly_for_100_steps(converted):
+    llm = LLM(converted, device="cuda", dtype="bfloat16", max_model_len=256)
+    engine = Engine(llm, max_num_seqs=4)
+    runner = engine.graph_runner
+    assert runner is not None and sorted(runner.graphs) == [1, 2, 4]
+    assert any(isinstance(m, CpuExperts) for m in llm.model.modules())
+    prompts = [prompt(n, seed=n) for n in (5, 17, 30)]  # 3 sequences: the bucket of 4 has a padding row
+    tables = [llm.allocator.allocate(16) for _ in prompts]  # 30 + 100 tokens fit in 16 pages of 16
+    computed = [0] * len(prompts)
+    for p, table, i in zip(prompts, tables, range(3), strict=True):  # the prompts' KV, eagerly
+        llm._step(p[:-1], 0, table)
+        computed[i] = len(p) - 1
+    tokens = [p[-1] for p in prompts]
+    for step in range(100):
+        seqs = [SequenceSlice(computed[i], 1, tables[i]) for i in range(3)]
+        eager = runner.run_eagerly(seqs, tokens).clone()
+        torch.cuda.synchronize()
+        runner.finish_step()
+        replayed = runner.run(seqs, tokens)
+        torch.cuda.synchronize()
+        runner.finish_step()
+        assert torch.equal(replayed, eager), f"step {step}"
+        tokens = replayed.argmax(dim=-1).tolist()
+        computed = [c + 1 for c in computed]
+    engine.close()
+
+
+def test_graph_engine_generates_what_the_eager_engine_generates(converted):
+    prompts = [prompt(n, seed=40 + n) for n in (3, 16, 21, 9, 40)]
+    outputs = {}
+    for is_graph in (False, True):
+        llm = LLM(converted, device="cuda", dtype="float32", max_model_len=256, cuda_graph=is_graph)
+        engine = Engine(llm, max_num_batched_tokens=32, max_num_seqs=4)  # chunked prefill beside decodes
+        assert (engine.graph_runner is not None) == is_graph
+        outputs[is_graph] = engine.generate(prompts, max_tokens=24, ignore_eos=True)
+        engine.close()
+    assert outputs[True] == outputs[False]
+
+
+def test_graph_step_error_surfaces_and_engine_recovers(converted):
+    llm = LLM(converted, device="cuda", dtype="bfloat16", max_model_len=128)
+    engine = Engine(llm, max_num_seqs=2)
+    module = next(m for m in llm.model.modules() if isinstance(m, CpuExperts))
+    compute = module.compute
+    request_id = engine.add_request(prompt(6, seed=1), max_tokens=8, ignore_eos=True)
+    engine.step()  # the prompt, eagerly
+    module.compute = lambda *args: (_ for _ in ()).throw(RuntimeError("expert file gone"))
+    with pytest.raises(Exception, match="expert file gone"):
+        engine.step()
+    module.compute = compute
+    engine.cancel(request_id)
+    assert engine.generate([prompt(6, seed=1)], max_tokens=4, ignore_eos=True)[0]
+    engine.close()
