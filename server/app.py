@@ -1,0 +1,176 @@
+"""`build_app(config, engine_loop)`: the FastAPI app. Routes validate (pydantic, `server.protocol`), hand the
+request to `server.chat` / `server.completions`, which enqueue into the engine loop and stream back. The app
+starts the engine loop's thread when it starts up and stops it when it shuts down; its tokenizer is its own
+instance (the engine thread decodes with another), loaded from the model directory's files only.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from hybrid.errors import ConfigError
+from server.chat import create_chat_completion
+from server.completions import create_completion
+from server.config import ServerConfig
+from server.engine_loop import EngineLoop
+from server.errors import APIError, error_response
+from server.metrics import Metrics
+from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.reasoning import THINK_END, THINK_START
+from server.serving import ServedModel, ServerState, sampling_defaults
+from server.tool_parsers import choose_tool_parser
+
+MAX_BODY_BYTES = 64 * 1024 * 1024  # far above any context length's worth of text; bigger bodies get 413
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+
+
+def load_tokenizer(model_dir: str | Path):
+    """The model directory's tokenizer (and chat template), from local files only."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{model_dir}: cannot load its tokenizer ({exc}); the server needs the checkpoint's "
+                          f"tokenizer files (tokenizer.json, tokenizer_config.json)") from None
+
+
+def served_model(config: ServerConfig, tokenizer, max_model_len: int) -> ServedModel:
+    vocab = tokenizer.get_vocab()
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+    has_reasoning = config.reasoning_parser != "none" and (
+        config.reasoning_parser != "auto" or (THINK_START in vocab and THINK_END in vocab))
+    return ServedModel(config.model_name, tokenizer, max_model_len,
+                       choose_tool_parser(config.tool_call_parser, template, vocab), has_reasoning,
+                       sampling_defaults(config.model))
+
+
+def build_app(config: ServerConfig, engine_loop: EngineLoop) -> FastAPI:
+    if config.model is None:
+        raise ConfigError("build_app needs config.model, the directory of the model the engine runs")
+    state = ServerState(config, engine_loop, served_model(config, load_tokenizer(config.model),
+                                                          engine_loop.max_model_len), Metrics())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine_loop.start()
+        try:
+            yield
+        finally:
+            engine_loop.stop()
+
+    app = FastAPI(title="hybrid-serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = state
+    app.add_middleware(_RequestAccounting, metrics=state.metrics)
+    _add_error_handlers(app)
+    created = int(time.time())
+
+    async def require_key(request: Request) -> None:
+        if config.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, key = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), config.api_key.encode()):
+            raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
+    authorized = [Depends(require_key)]
+
+    @app.post("/v1/chat/completions", dependencies=authorized)
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await create_chat_completion(state, body, request)
+
+    @app.post("/v1/completions", dependencies=authorized)
+    async def completions(body: CompletionRequest, request: Request):
+        return await create_completion(state, body, request)
+
+    def model_card() -> dict:
+        return {"id": state.model.name, "object": "model", "created": created, "owned_by": "hybrid",
+                "max_model_len": state.model.max_model_len}
+
+    @app.get("/v1/models", dependencies=authorized)
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{name:path}", dependencies=authorized)
+    async def model(name: str):
+        if name != state.model.name:
+            raise APIError(404, f"model '{name}' does not exist", param="model", code="model_not_found")
+        return model_card()
+
+    @app.get("/health")
+    async def health():
+        if not engine_loop.is_alive():
+            return error_response(503, "the engine loop is not running")
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(engine_loop.stats()), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request", "type": ""}
+        if first.get("type") == "json_invalid":
+            return error_response(400, f"the request body is not valid JSON: {first.get('msg')}")
+        param = ".".join(str(part) for part in first.get("loc", ()) if part != "body") or None
+        message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+        return error_response(400, f"{param}: {message}" if param else message, param=param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        message = "no such route" if exc.status_code == 404 else str(exc.detail)
+        return error_response(exc.status_code, f"{message}: {request.method} {request.url.path}")
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception):
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+class _RequestAccounting:
+    """ASGI middleware: refuses bodies over MAX_BODY_BYTES (413) and counts responses by route and status."""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = 500  # what a response that never started counts as
+        endpoint = scope["path"] if scope["path"] in ROUTES else "other"
+
+        async def record_status(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            length = int(dict(scope["headers"]).get(b"content-length", b"0"))
+        except ValueError:
+            length = -1
+        try:
+            if length < 0:
+                await error_response(400, "invalid Content-Length header")(scope, receive, record_status)
+            elif length > MAX_BODY_BYTES:
+                await error_response(413, f"request body over {MAX_BODY_BYTES} bytes")(scope, receive, record_status)
+            else:
+                await self.app(scope, receive, record_status)
+        finally:
+            self.metrics.requests.labels(endpoint, str(status)).inc()

@@ -1,0 +1,233 @@
+"""`POST /v1/chat/completions`: messages -> the model's chat template -> token ids -> engine -> text, split by the
+reasoning parser (`<think>` -> reasoning_content) and then the tool-call parser (-> tool_calls), streamed as
+`chat.completion.chunk` events or returned as one `chat.completion`.
+
+`tool_choice` "none" leaves the tools out of the prompt; "auto" lets the model choose; "required" and a named
+function append the text that opens a call (`forced_prefix`) to the prompt, so the model continues a call (there is
+no grammar-constrained decoding).
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+
+from fastapi.responses import JSONResponse
+from starlette.requests import Request
+
+from server.errors import APIError, error_body
+from server.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
+from server.reasoning import ReasoningParser
+from server.serving import (
+    SSE_DONE,
+    Generation,
+    GenerationStream,
+    ServerState,
+    check_model,
+    collect_unless_disconnected,
+    new_id,
+    resolve_max_tokens,
+    sse,
+    token_text,
+    usage,
+)
+from server.tool_parsers import ToolCall, ToolCallParser
+
+
+class ChatChoice:
+    """One choice's output text through the parsers; accumulates what a non-streaming response returns."""
+
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolCallParser | None):
+        self.reasoning_parser, self.tool_parser = reasoning, tools
+        self.reasoning, self.content = "", ""
+        self.tool_calls: list[ToolCall] = []
+
+    def feed(self, text: str) -> dict:
+        reasoning, content = "", text
+        if self.reasoning_parser is not None and text:
+            parsed = self.reasoning_parser.feed(text)
+            reasoning, content = parsed.reasoning, parsed.content
+        calls = ()
+        if self.tool_parser is not None and content:
+            parsed = self.tool_parser.feed(content)
+            content, calls = parsed.content, parsed.tool_calls
+        return self._delta(reasoning, content, calls)
+
+    def flush(self) -> dict:
+        """The delta of what the parsers still hold at the end of the output."""
+        reasoning, content = "", ""
+        if self.reasoning_parser is not None:
+            parsed = self.reasoning_parser.finish()
+            reasoning, content = parsed.reasoning, parsed.content
+        calls = ()
+        if self.tool_parser is not None:
+            fed = self.tool_parser.feed(content) if content else None
+            rest = self.tool_parser.finish()
+            content = (fed.content if fed else "") + rest.content
+            calls = (fed.tool_calls if fed else ()) + rest.tool_calls
+        return self._delta(reasoning, content, calls)
+
+    def _delta(self, reasoning: str, content: str, calls: tuple[ToolCall, ...]) -> dict:
+        delta: dict = {}
+        if reasoning:
+            delta["reasoning_content"] = reasoning
+            self.reasoning += reasoning
+        if content:
+            delta["content"] = content
+            self.content += content
+        if calls:
+            delta["tool_calls"] = [_tool_call(call, len(self.tool_calls) + k) for k, call in enumerate(calls)]
+            self.tool_calls.extend(calls)
+        return delta
+
+    def finish_reason(self, engine_reason: str, is_named_choice: bool) -> str:
+        # OpenAI answers a forced (named) function call with "stop", a call the model chose with "tool_calls".
+        if self.tool_calls and engine_reason == "stop" and not is_named_choice:
+            return "tool_calls"
+        return engine_reason
+
+
+def _tool_call(call: ToolCall, index: int | None = None) -> dict:
+    body = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+    return body if index is None else {"index": index, **body}
+
+
+def _message_dict(message: ChatMessage) -> dict:
+    # Templates know system/user/assistant/tool; OpenAI's newer "developer" role is the system prompt.
+    out = {"role": "system" if message.role == "developer" else message.role, "content": message.text()}
+    if message.tool_calls:
+        out["tool_calls"] = [call.model_dump(exclude_none=True) for call in message.tool_calls]
+    for key in ("name", "tool_call_id", "reasoning_content"):
+        if getattr(message, key) is not None:
+            out[key] = getattr(message, key)
+    return out
+
+
+def render_prompt(state: ServerState, request: ChatCompletionRequest) -> tuple[str, type[ToolCallParser] | None]:
+    """The prompt text (chat template, plus the opening of a call when the tool choice forces one) and the
+    tool-call parser this request's output goes through."""
+    tokenizer = state.model.tokenizer
+    if not getattr(tokenizer, "chat_template", None):
+        raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
+    kwargs = dict(request.chat_template_kwargs or {})
+    reserved = set(inspect.signature(tokenizer.apply_chat_template).parameters) & set(kwargs)
+    if reserved:
+        raise APIError(400, f"chat_template_kwargs may not set {', '.join(sorted(reserved))}",
+                       param="chat_template_kwargs")
+    use_tools = bool(request.tools) and request.tool_choice != "none"
+    tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if use_tools else None
+    try:
+        text = tokenizer.apply_chat_template([_message_dict(m) for m in request.messages], tools=tools,
+                                             add_generation_prompt=True, tokenize=False, **kwargs)
+    except Exception as exc:  # a template raises whatever it likes (e.g. "roles must alternate")
+        raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
+    parser = state.model.tool_parser if use_tools else None
+    return text + _forced_prefix(parser, request), parser
+
+
+async def create_chat_completion(state: ServerState, request: ChatCompletionRequest, raw: Request):
+    start_time = time.perf_counter()
+    check_model(state, request.model)
+    prompt_text, parser = render_prompt(state, request)
+    prompt_ids = state.model.tokenizer.encode(prompt_text, add_special_tokens=False)
+    max_tokens = resolve_max_tokens(request.max_new_tokens, len(prompt_ids), state.model.max_model_len, "messages")
+    generation = Generation(state, request, [prompt_ids], [max_tokens], start_time)
+    await generation.start()
+    is_thinking = ReasoningParser.prompt_opens_thinking(prompt_text)
+    prefix = _forced_prefix(parser, request)  # the parser reads the opening of a forced call as output
+    choices = [ChatChoice(ReasoningParser(is_thinking) if state.model.has_reasoning else None,
+                          parser(prefix) if parser is not None else None) for _ in generation.jobs]
+    info = _Response(new_id("chatcmpl"), int(time.time()), state.model.name, len(prompt_ids),
+                     isinstance(request.tool_choice, NamedToolChoice))
+    if request.stream:
+        return GenerationStream(_stream(state, request, generation, choices, info), generation)
+    return await collect_unless_disconnected(
+        raw, generation, lambda: _collect(state, request, generation, choices, info))
+
+
+def _forced_prefix(parser: type[ToolCallParser] | None, request: ChatCompletionRequest) -> str:
+    if parser is None or request.tool_choice in (None, "auto", "none"):
+        return ""
+    name = request.tool_choice.function.name if isinstance(request.tool_choice, NamedToolChoice) else None
+    return parser.forced_prefix(name)
+
+
+class _Response:
+    def __init__(self, response_id: str, created: int, model: str, num_prompt_tokens: int, is_named_choice: bool):
+        self.id, self.created, self.model = response_id, created, model
+        self.num_prompt_tokens, self.is_named_choice = num_prompt_tokens, is_named_choice
+
+
+def _logprob_entry(tokenizer, token_id: int, logprob: float | None, top: tuple | None) -> dict:
+    text = token_text(tokenizer, token_id)
+    entry = {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8")), "top_logprobs": []}
+    for top_id, top_logprob in top or ():
+        top_text = token_text(tokenizer, top_id)
+        entry["top_logprobs"].append({"token": top_text, "logprob": top_logprob,
+                                      "bytes": list(top_text.encode("utf-8"))})
+    return entry
+
+
+def _merge(delta: dict, more: dict) -> dict:
+    for key, value in more.items():
+        delta[key] = delta.get(key, [] if key == "tool_calls" else "") + value
+    return delta
+
+
+async def _stream(state: ServerState, request: ChatCompletionRequest, generation: Generation,
+                  choices: list[ChatChoice], info: _Response):
+    base = {"id": info.id, "object": "chat.completion.chunk", "created": info.created, "model": info.model}
+    if request.include_usage:
+        base["usage"] = None
+
+    def chunk(index: int, delta: dict, logprobs: dict | None = None, finish_reason: str | None = None) -> str:
+        return sse({**base, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                                         "finish_reason": finish_reason}]})
+
+    try:
+        for index in range(len(choices)):
+            yield chunk(index, {"role": "assistant", "content": ""})
+        async for index, out in generation.events():
+            choice = choices[index]
+            delta = choice.feed(out.text)
+            logprobs = None
+            if request.logprobs and out.token_id is not None:
+                logprobs = {"content": [_logprob_entry(state.model.tokenizer, out.token_id, out.logprob,
+                                                       out.top_logprobs)]}
+            reason = None
+            if out.finish_reason is not None:
+                delta = _merge(delta, choice.flush())
+                reason = choice.finish_reason(out.finish_reason, info.is_named_choice)
+            if delta or logprobs or reason:
+                yield chunk(index, delta, logprobs, reason)
+        if request.include_usage:
+            yield sse({**base, "choices": [], "usage": usage(info.num_prompt_tokens, sum(generation.num_tokens))})
+    except APIError as exc:
+        yield sse(error_body(exc.status, exc.message, exc.param, exc.code))
+    yield SSE_DONE
+
+
+async def _collect(state: ServerState, request: ChatCompletionRequest, generation: Generation,
+                   choices: list[ChatChoice], info: _Response) -> JSONResponse:
+    logprobs: list[list[dict]] = [[] for _ in choices]
+    reasons: list[str | None] = [None] * len(choices)
+    async for index, out in generation.events():
+        choices[index].feed(out.text)
+        if request.logprobs and out.token_id is not None:
+            logprobs[index].append(_logprob_entry(state.model.tokenizer, out.token_id, out.logprob,
+                                                  out.top_logprobs))
+        if out.finish_reason is not None:
+            choices[index].flush()
+            reasons[index] = choices[index].finish_reason(out.finish_reason, info.is_named_choice)
+    body = []
+    for index, choice in enumerate(choices):
+        message: dict = {"role": "assistant", "content": choice.content or (None if choice.tool_calls else "")}
+        if state.model.has_reasoning:
+            message["reasoning_content"] = choice.reasoning or None
+        if choice.tool_calls:
+            message["tool_calls"] = [_tool_call(call) for call in choice.tool_calls]
+        body.append({"index": index, "message": message,
+                     "logprobs": {"content": logprobs[index]} if request.logprobs else None,
+                     "finish_reason": reasons[index]})
+    return JSONResponse({"id": info.id, "object": "chat.completion", "created": info.created, "model": info.model,
+                         "choices": body, "usage": usage(info.num_prompt_tokens, sum(generation.num_tokens))})

@@ -1,0 +1,122 @@
+"""`POST /v1/completions`: prompt text or token ids (one or a batch) -> engine -> text, streamed as
+`text_completion` events or returned whole. Choice index = prompt index * n + choice."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi.responses import JSONResponse
+from starlette.requests import Request
+
+from server.errors import APIError, error_body
+from server.protocol import CompletionRequest
+from server.serving import (
+    SSE_DONE,
+    Generation,
+    GenerationStream,
+    ServerState,
+    check_model,
+    collect_unless_disconnected,
+    new_id,
+    resolve_max_tokens,
+    sse,
+    token_text,
+    usage,
+)
+
+
+class _Logprobs:
+    """One choice's logprobs in the completions layout (parallel lists, text offsets into the choice's text)."""
+
+    def __init__(self):
+        self.tokens: list[str] = []
+        self.token_logprobs: list[float | None] = []
+        self.top_logprobs: list[dict[str, float]] = []
+        self.text_offset: list[int] = []
+
+    def add(self, tokenizer, out, offset: int) -> dict:
+        token = token_text(tokenizer, out.token_id)
+        top = {token_text(tokenizer, token_id): logprob for token_id, logprob in out.top_logprobs or ()}
+        self.tokens.append(token)
+        self.token_logprobs.append(out.logprob)
+        self.top_logprobs.append(top)
+        self.text_offset.append(offset)
+        return {"tokens": [token], "token_logprobs": [out.logprob], "top_logprobs": [top], "text_offset": [offset]}
+
+    def as_dict(self) -> dict:
+        return {"tokens": self.tokens, "token_logprobs": self.token_logprobs, "top_logprobs": self.top_logprobs,
+                "text_offset": self.text_offset}
+
+
+def _prompt_ids(tokenizer, prompt: str | list[int]) -> list[int]:
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt, add_special_tokens=True)
+    return list(prompt)
+
+
+async def create_completion(state: ServerState, request: CompletionRequest, raw: Request):
+    start_time = time.perf_counter()
+    check_model(state, request.model)
+    tokenizer = state.model.tokenizer
+    prompts = [_prompt_ids(tokenizer, prompt) for prompt in request.prompts]
+    limits = [resolve_max_tokens(request.max_new_tokens, len(p), state.model.max_model_len, "prompt")
+              for p in prompts]
+    generation = Generation(state, request, prompts, limits, start_time)
+    await generation.start()
+    echoes = [tokenizer.decode(p) if request.echo else "" for p in prompts for _ in range(request.n)]
+    info = (new_id("cmpl"), int(time.time()), sum(len(p) for p in prompts))
+    if request.stream:
+        return GenerationStream(_stream(state, request, generation, echoes, info), generation)
+    return await collect_unless_disconnected(raw, generation,
+                                             lambda: _collect(state, request, generation, echoes, info))
+
+
+async def _stream(state: ServerState, request: CompletionRequest, generation: Generation, echoes: list[str],
+                  info: tuple[str, int, int]):
+    response_id, created, num_prompt_tokens = info
+    base = {"id": response_id, "object": "text_completion", "created": created, "model": state.model.name}
+    if request.include_usage:
+        base["usage"] = None
+    offsets = [len(echo) for echo in echoes]
+    logprobs = [_Logprobs() for _ in echoes]
+
+    def chunk(index: int, text: str, choice_logprobs: dict | None = None, finish_reason: str | None = None) -> str:
+        return sse({**base, "choices": [{"index": index, "text": text, "logprobs": choice_logprobs,
+                                         "finish_reason": finish_reason}]})
+
+    try:
+        for index, echo in enumerate(echoes):
+            if echo:
+                yield chunk(index, echo)
+        async for index, out in generation.events():
+            choice_logprobs = None
+            if request.logprobs is not None and out.token_id is not None:
+                choice_logprobs = logprobs[index].add(state.model.tokenizer, out, offsets[index])
+            offsets[index] += len(out.text)
+            if out.text or choice_logprobs or out.finish_reason:
+                yield chunk(index, out.text, choice_logprobs, out.finish_reason)
+        if request.include_usage:
+            yield sse({**base, "choices": [], "usage": usage(num_prompt_tokens, sum(generation.num_tokens))})
+    except APIError as exc:
+        yield sse(error_body(exc.status, exc.message, exc.param, exc.code))
+    yield SSE_DONE
+
+
+async def _collect(state: ServerState, request: CompletionRequest, generation: Generation, echoes: list[str],
+                   info: tuple[str, int, int]) -> JSONResponse:
+    response_id, created, num_prompt_tokens = info
+    texts = list(echoes)
+    reasons: list[str | None] = [None] * len(echoes)
+    logprobs = [_Logprobs() for _ in echoes]
+    async for index, out in generation.events():
+        if request.logprobs is not None and out.token_id is not None:
+            logprobs[index].add(state.model.tokenizer, out, len(texts[index]))
+        texts[index] += out.text
+        if out.finish_reason is not None:
+            reasons[index] = out.finish_reason
+    choices = [{"index": index, "text": text,
+                "logprobs": logprobs[index].as_dict() if request.logprobs is not None else None,
+                "finish_reason": reasons[index]} for index, text in enumerate(texts)]
+    return JSONResponse({"id": response_id, "object": "text_completion", "created": created,
+                         "model": state.model.name, "choices": choices,
+                         "usage": usage(num_prompt_tokens, sum(generation.num_tokens))})

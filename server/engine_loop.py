@@ -1,0 +1,215 @@
+"""The one thread that owns the engine. `hybrid.engine.Engine` is not thread-safe, so HTTP handlers never touch it:
+they `submit` a `GenerateJob` (or `cancel` one) into this thread's queue, and get `Accepted`, `Output` and `Failure`
+events back through the job's `sink`, which the handler points at its asyncio queue (through
+`loop.call_soon_threadsafe`).
+
+The thread runs commands, then one `engine.step()` while there is work, and sleeps on the queue when there is none.
+Per request it detokenizes the new tokens (`hybrid.detokenizer`) and checks stop strings; a stop string ends the
+request in the engine at once (`engine.finish`), which frees its KV pages. Every request leaves `engine.requests`
+when it ends, however it ends. An exception in a step fails the requests in flight (500) and the loop goes on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from hybrid.detokenizer import IncrementalDetokenizer
+from hybrid.engine import EngineStats
+from hybrid.sampling import SamplingParams
+
+log = logging.getLogger("hybrid.server")
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """The engine took the request."""
+
+
+@dataclass(frozen=True)
+class Output:
+    """One new token of a request (`token_id` None: only flushed text) and the text it completes."""
+
+    text: str
+    token_id: int | None = None
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] | None = None
+    finish_reason: str | None = None  # "stop", "length", or None while the request goes on
+
+
+@dataclass(frozen=True)
+class Failure:
+    message: str
+    status: int  # 400: the engine refused the request; 500: it failed while running
+
+
+Event = Accepted | Output | Failure
+
+
+@dataclass(eq=False)
+class GenerateJob:
+    """One engine request as a handler submits it; `sink` is called from the engine thread."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    sink: Callable[[Event], None]
+    stop: tuple[str, ...] = ()
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    request_id: int | None = None  # set by the engine thread
+
+
+@dataclass
+class _Active:
+    job: GenerateJob
+    detokenizer: IncrementalDetokenizer
+
+
+class EngineLoop:
+    def __init__(self, engine, tokenizer, max_model_len: int):
+        """`engine`: a `hybrid.engine.Engine` (or anything with its add_request/step/finish/cancel/stats/has_work
+        and `requests`); `tokenizer` decodes its tokens."""
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self._inbox: queue.Queue = queue.Queue()
+        self._active: dict[int, _Active] = {}
+        self._stats: EngineStats = engine.stats()
+        self._thread = threading.Thread(target=self._run, name="hybrid-engine-loop", daemon=True)
+
+    # --- called from other threads ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self._inbox.put(("stop", None))
+            self._thread.join()
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, job: GenerateJob) -> None:
+        self._inbox.put(("add", job))
+
+    def cancel(self, job: GenerateJob) -> None:
+        """Ends the job's request if it still runs (a client gone); its pages are freed. No event follows."""
+        self._inbox.put(("cancel", job))
+
+    def stats(self) -> EngineStats:
+        """The engine's state after the last step (a snapshot the engine thread publishes)."""
+        return self._stats
+
+    # --- the engine thread ----------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            try:
+                if not self._run_commands():
+                    return
+                if self.engine.has_work():
+                    self._step()
+                self._stats = self.engine.stats()
+            except Exception:  # the loop must outlive any one failure; the requests concerned were told
+                log.exception("engine loop iteration failed; going on")
+
+    def _run_commands(self) -> bool:
+        """Runs the queued commands (waiting for one while the engine is idle); False on "stop"."""
+        try:
+            command = self._inbox.get(block=not self.engine.has_work())
+        except queue.Empty:
+            return True
+        while True:
+            if command[0] == "stop":
+                self._shutdown()
+                return False
+            self._handle(*command)
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _handle(self, kind: str, job: GenerateJob) -> None:
+        if kind == "add":
+            self._add(job)
+        elif kind == "cancel" and job.request_id in self._active:
+            self.engine.cancel(job.request_id)
+            self._drop(job.request_id)
+
+    def _add(self, job: GenerateJob) -> None:
+        try:
+            request_id = self.engine.add_request(job.prompt_ids, job.params, job.max_tokens,
+                                                 stop_token_ids=job.stop_token_ids, ignore_eos=job.ignore_eos)
+        except ValueError as exc:
+            _send(job, Failure(str(exc), 400))
+            return
+        except Exception as exc:  # the engine's fault, not the request's
+            log.exception("engine refused a request")
+            _send(job, Failure(f"engine error: {exc}", 500))
+            return
+        job.request_id = request_id
+        detokenizer = IncrementalDetokenizer(self.tokenizer, job.prompt_ids, job.stop, job.skip_special_tokens)
+        self._active[request_id] = _Active(job, detokenizer)
+        _send(job, Accepted())
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            log.exception("engine step failed; failing the %d requests in flight", len(self._active))
+            for request_id in list(self._active):
+                self._fail(request_id, f"engine error: {exc}")
+            return
+        for output in outputs:
+            if output.request_id not in self._active:
+                continue
+            try:
+                self._emit(output)
+            except Exception as exc:
+                log.exception("request %d failed while decoding its output", output.request_id)
+                self._fail(output.request_id, f"output error: {exc}")
+
+    def _emit(self, output) -> None:
+        active = self._active[output.request_id]
+        detokenizer = active.detokenizer
+        reason = output.finish_reason
+        # A stop token ends the text without being part of it.
+        if reason != "stop" and detokenizer.add_token(output.new_token):
+            if reason is None:
+                self.engine.finish(output.request_id, "stop")  # free its pages now, not at max_tokens
+            reason = "stop"
+        text = detokenizer.take_delta(is_finished=reason is not None)
+        _send(active.job, Output(text, output.new_token, output.logprob, output.top_logprobs, reason))
+        if reason is not None:
+            self._drop(output.request_id)
+
+    def _fail(self, request_id: int, message: str) -> None:
+        active = self._active.get(request_id)
+        try:
+            self.engine.finish(request_id, "error")
+        except Exception:
+            log.exception("could not end request %d cleanly", request_id)
+        self._drop(request_id)
+        if active is not None:
+            _send(active.job, Failure(message, 500))
+
+    def _drop(self, request_id: int) -> None:
+        self._active.pop(request_id, None)
+        self.engine.requests.pop(request_id, None)
+
+    def _shutdown(self) -> None:
+        for request_id in list(self._active):
+            self._fail(request_id, "the server is shutting down")
+        self._stats = self.engine.stats()
+
+
+def _send(job: GenerateJob, event: Event) -> None:
+    with contextlib.suppress(RuntimeError):  # the handler's event loop is closed (shutdown): nobody listens
+        job.sink(event)

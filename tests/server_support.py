@@ -1,0 +1,135 @@
+"""Helpers for the server tests (a helper module, not a test module): the demo model at a tiny size, a server
+running in a thread on a free loopback port, and `ScriptedEngine`, a stand-in for `hybrid.engine.Engine` that
+emits a scripted token sequence, so the server's tool-call and reasoning paths run end to end with a known
+output. Nothing is downloaded."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import uvicorn
+
+from hybrid.engine import EngineStats, StepOutput
+from server.app import build_app, load_tokenizer
+from server.config import ServerConfig
+from server.demo import DemoSize, demo_model
+from server.engine_loop import EngineLoop
+
+TINY = DemoSize(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, num_experts=8,
+                num_experts_per_tok=2, moe_intermediate_size=32, max_position_embeddings=512)
+API_KEY = "test-key"
+
+
+def tiny_model(path: Path) -> Path:
+    return demo_model(path, TINY)
+
+
+class RunningServer:
+    """uvicorn serving `app` in a daemon thread on 127.0.0.1 and a port the OS picked."""
+
+    def __init__(self, app):
+        self.app = app
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.02)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=60)
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(self.url + "/metrics").text
+        match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+        assert match, f"{name} not in /metrics"
+        return float(match.group(1))
+
+
+def start_server(engine, model_dir: Path, max_model_len: int, **config) -> RunningServer:
+    config = ServerConfig(model=str(model_dir), **config)
+    loop = EngineLoop(engine, load_tokenizer(model_dir), max_model_len)
+    return RunningServer(build_app(config, loop))
+
+
+@dataclass
+class ScriptedRequest:
+    request_id: int
+    prompt_ids: list[int]
+    max_tokens: int
+    stop_token_ids: frozenset[int]
+    script: list[int]
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class ScriptedEngine:
+    """`Engine`'s interface; every request emits `script` (then stops at its last token or max_tokens).
+    `gate` blocks `step` while cleared; `fail_steps` makes that many steps raise."""
+
+    def __init__(self, script: list[int], max_model_len: int = 512, num_blocks: int = 64):
+        self.script = list(script)
+        self.max_model_len, self.num_blocks = max_model_len, num_blocks
+        self.requests: dict[int, ScriptedRequest] = {}
+        self.prompts: list[list[int]] = []
+        self.finished: list[tuple[int, str]] = []  # (request id, reason) of finish/cancel calls
+        self.gate = threading.Event()
+        self.gate.set()
+        self.fail_steps = 0
+        self._next_id = 0
+
+    def add_request(self, prompt_ids, params=None, max_tokens=16, stop_token_ids=None, ignore_eos=False) -> int:
+        if len(prompt_ids) + max_tokens > self.max_model_len:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens + max_new_tokens {max_tokens} exceeds "
+                             f"max_model_len {self.max_model_len}")
+        request = ScriptedRequest(self._next_id, list(prompt_ids), max_tokens, frozenset(stop_token_ids or ()),
+                                  list(self.script))
+        self._next_id += 1
+        self.requests[request.request_id] = request
+        self.prompts.append(list(prompt_ids))
+        return request.request_id
+
+    def _live(self) -> list[ScriptedRequest]:
+        return [r for r in self.requests.values() if r.finish_reason is None]
+
+    def has_work(self) -> bool:
+        return bool(self._live())
+
+    def step(self) -> list[StepOutput]:
+        self.gate.wait()
+        if self.fail_steps:
+            self.fail_steps -= 1
+            raise RuntimeError("scripted step failure")
+        outputs = []
+        for r in self._live():
+            token = r.script[len(r.output_ids)]
+            r.output_ids.append(token)
+            is_last = len(r.output_ids) == len(r.script)
+            reason = "stop" if token in r.stop_token_ids or is_last else \
+                "length" if len(r.output_ids) >= r.max_tokens else None
+            r.finish_reason = reason
+            outputs.append(StepOutput(r.request_id, token, reason))
+        return outputs
+
+    def finish(self, request_id: int, reason: str = "stop") -> None:
+        request = self.requests.get(request_id)
+        if request is not None and request.finish_reason is None:
+            request.finish_reason = reason
+            self.finished.append((request_id, reason))
+
+    def cancel(self, request_id: int) -> None:
+        self.finish(request_id, "cancelled")
+
+    def stats(self) -> EngineStats:
+        live = len(self._live())
+        return EngineStats(live, 0, self.num_blocks, self.num_blocks - live)
