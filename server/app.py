@@ -129,7 +129,7 @@ def _add_error_handlers(app: FastAPI) -> None:
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request", "type": ""}
         if first.get("type") == "json_invalid":
             return error_response(400, f"the request body is not valid JSON: {first.get('msg')}")
-        param = ".".join(str(part) for part in first.get("loc", ()) if part != "body") or None
+        param = ".".join(str(part) for part in first.get("loc", ()) if not _is_loc_noise(part)) or None
         message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
         return error_response(400, f"{param}: {message}" if param else message, param=param)
 
@@ -141,6 +141,15 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception):
         return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+def _is_loc_noise(part) -> bool:
+    """Parts of a pydantic error location that are not the client's parameter names: the request body, and the
+    member tags of union types (`str`, `list[int]`, `NamedToolChoice`, `function-after[...]`)."""
+    if isinstance(part, int):
+        return False
+    return part == "body" or part in ("str", "int", "float", "bool", "dict", "list") or part[:1].isupper() \
+        or "[" in part
 
 
 class _RequestAccounting:

@@ -62,6 +62,7 @@ def serve(config: ServerConfig, engine_config: EngineConfig) -> int:
         log.info("%s", describe(path))
         config = replace(config, model=str(path), served_model_name=config.served_model_name or DEMO_MODEL_NAME)
     llm = LLM(config.model, config=engine_config)
+    engine = None
     try:
         try:
             engine = Engine(llm, max_num_batched_tokens=config.max_num_batched_tokens,
@@ -75,7 +76,9 @@ def serve(config: ServerConfig, engine_config: EngineConfig) -> int:
         # streams still open after a few seconds of shutdown are cut (their requests are then cancelled)
         uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level,
                     timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS)
-    finally:
+    finally:  # the app stopped the engine loop at shutdown: nothing runs the engine any more
+        if engine is not None:
+            engine.close()
         llm.close()
     return 0
 

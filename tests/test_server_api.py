@@ -97,8 +97,9 @@ def test_chat_stream_invariants_and_usage(server, client):
     assert events[-1] == "data: [DONE]" and raw.headers["content-type"].startswith("text/event-stream")
 
 
-def test_completions_stream_matches_whole(client):
+def test_completions_stream_matches_whole(client, tokenizer):
     whole = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=10, **GREEDY)
+    assert whole.usage.prompt_tokens == len(tokenizer.encode("Once upon a time"))
     parts = list(client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=10, stream=True,
                                            **GREEDY))
     assert "".join(p.choices[0].text for p in parts) == whole.choices[0].text
@@ -162,6 +163,10 @@ def test_seed_reproducibility(client):
     pair = client.completions.create(seed=1234, n=2, **kwargs)
     assert pair.choices[0].text == first
     assert pair.choices[1].text == client.completions.create(seed=1235, **kwargs).choices[0].text
+    # top_k 1 leaves one token to draw: the greedy output, whatever the seed
+    greedy = client.completions.create(model="tiny", prompt="Hello", max_tokens=16, **GREEDY).choices[0].text
+    one_token = dict(kwargs, extra_body={"ignore_eos": True, "top_k": 1})
+    assert client.completions.create(seed=7, **one_token).choices[0].text == greedy
 
 
 def test_concurrent_streams_match_sequential(server, client):

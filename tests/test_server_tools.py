@@ -180,7 +180,7 @@ def test_full_queue_gets_429(engine, tokenizer, server, client):
             assert time.monotonic() < deadline
             time.sleep(0.02)
         with pytest.raises(openai.RateLimitError) as refused:
-            client.completions.create(model="hybrid-demo", prompt="x", max_tokens=5)
+            client.with_options(timeout=10).completions.create(model="hybrid-demo", prompt="x", max_tokens=5)
         assert refused.value.body["code"] == "queue_full"
     finally:
         engine.gate.set()
@@ -188,3 +188,35 @@ def test_full_queue_gets_429(engine, tokenizer, server, client):
             thread.join(timeout=30)
     assert results == ["slow answer"] * 3
     assert client.completions.create(model="hybrid-demo", prompt="x", max_tokens=5).choices[0].text == "slow answer"
+
+
+USER = [{"role": "user", "content": "hi"}]
+GARBAGE = [
+    ("/v1/completions", []), ("/v1/completions", None), ("/v1/completions", "just a string"),
+    ("/v1/completions", {"prompt": 5}), ("/v1/completions", {"prompt": [[]]}), ("/v1/completions", {"prompt": []}),
+    ("/v1/completions", {"prompt": "x", "stop": 5}), ("/v1/completions", {"prompt": "x", "top_p": 0}),
+    ("/v1/completions", {"prompt": "x", "temperature": -1}), ("/v1/completions", {"prompt": "x", "n": 1000}),
+    ("/v1/completions", {"prompt": "x", "logprobs": 50}), ("/v1/completions", {"prompt": "x", "max_tokens": 1.5}),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [-1]}), ("/v1/completions", {"prompt": "x", "seed": "a"}),
+    ("/v1/completions", {"prompt": "x", "suffix": "y"}), ("/v1/completions", {"prompt": [[1, 2], [-3]]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
+    ("/v1/chat/completions", {"messages": USER, "tools": [{"type": "function"}]}),
+    ("/v1/chat/completions", {"messages": USER, "tool_choice": "sometimes"}),
+    ("/v1/chat/completions", {"messages": USER, "chat_template_kwargs": {"tokenize": True}}),
+    ("/v1/chat/completions", {"messages": USER, "response_format": {"type": "json_schema"}}),
+    ("/v1/chat/completions", {"messages": USER, "top_logprobs": 2}),
+    ("/v1/chat/completions", {"messages": USER, "max_completion_tokens": 0}),
+]
+
+
+@pytest.mark.parametrize("path, body", GARBAGE, ids=[f"{i}" for i in range(len(GARBAGE))])
+def test_garbage_gets_400_and_the_server_keeps_answering(engine, tokenizer, server, path, body):
+    response = httpx.post(server.url + path, json=body, timeout=30)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["type"] == "invalid_request_error"
+    script(engine, tokenizer, "ok")
+    assert httpx.post(server.url + "/v1/completions", json={"prompt": "x"}, timeout=30).json()["choices"][0][
+        "text"] == "ok"
+    assert not engine._live()
