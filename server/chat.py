@@ -22,11 +22,12 @@ from server.serving import (
     SSE_DONE,
     Generation,
     GenerationStream,
+    ResponseInfo,
     ServerState,
     check_model,
     collect_unless_disconnected,
-    new_id,
     resolve_max_tokens,
+    response_info,
     sse,
     token_text,
     usage,
@@ -137,8 +138,8 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
     prefix = _forced_prefix(parser, request)  # the parser reads the opening of a forced call as output
     choices = [ChatChoice(ReasoningParser(is_thinking) if state.model.has_reasoning else None,
                           parser(prefix) if parser is not None else None) for _ in generation.jobs]
-    info = _Response(new_id("chatcmpl"), int(time.time()), state.model.name, len(prompt_ids),
-                     isinstance(request.tool_choice, NamedToolChoice))
+    is_named = isinstance(request.tool_choice, NamedToolChoice)
+    info = response_info("chatcmpl", state.model.name, len(prompt_ids), is_named)
     if request.stream:
         return GenerationStream(_stream(state, request, generation, choices, info), generation)
     return await collect_unless_disconnected(
@@ -150,12 +151,6 @@ def _forced_prefix(parser: type[ToolCallParser] | None, request: ChatCompletionR
         return ""
     name = request.tool_choice.function.name if isinstance(request.tool_choice, NamedToolChoice) else None
     return parser.forced_prefix(name)
-
-
-class _Response:
-    def __init__(self, response_id: str, created: int, model: str, num_prompt_tokens: int, is_named_choice: bool):
-        self.id, self.created, self.model = response_id, created, model
-        self.num_prompt_tokens, self.is_named_choice = num_prompt_tokens, is_named_choice
 
 
 def _logprob_entry(tokenizer, token_id: int, logprob: float | None, top: tuple | None) -> dict:
@@ -175,7 +170,7 @@ def _merge(delta: dict, more: dict) -> dict:
 
 
 async def _stream(state: ServerState, request: ChatCompletionRequest, generation: Generation,
-                  choices: list[ChatChoice], info: _Response):
+                  choices: list[ChatChoice], info: ResponseInfo):
     base = {"id": info.id, "object": "chat.completion.chunk", "created": info.created, "model": info.model}
     if request.include_usage:
         base["usage"] = None
@@ -197,7 +192,7 @@ async def _stream(state: ServerState, request: ChatCompletionRequest, generation
             reason = None
             if out.finish_reason is not None:
                 delta = _merge(delta, choice.flush())
-                reason = choice.finish_reason(out.finish_reason, info.is_named_choice)
+                reason = choice.finish_reason(out.finish_reason, info.is_named_tool_choice)
             if delta or logprobs or reason:
                 yield chunk(index, delta, logprobs, reason)
         if request.include_usage:
@@ -208,7 +203,7 @@ async def _stream(state: ServerState, request: ChatCompletionRequest, generation
 
 
 async def _collect(state: ServerState, request: ChatCompletionRequest, generation: Generation,
-                   choices: list[ChatChoice], info: _Response) -> JSONResponse:
+                   choices: list[ChatChoice], info: ResponseInfo) -> JSONResponse:
     logprobs: list[list[dict]] = [[] for _ in choices]
     reasons: list[str | None] = [None] * len(choices)
     async for index, out in generation.events():
@@ -218,7 +213,7 @@ async def _collect(state: ServerState, request: ChatCompletionRequest, generatio
                                                   out.top_logprobs))
         if out.finish_reason is not None:
             choices[index].flush()
-            reasons[index] = choices[index].finish_reason(out.finish_reason, info.is_named_choice)
+            reasons[index] = choices[index].finish_reason(out.finish_reason, info.is_named_tool_choice)
     body = []
     for index, choice in enumerate(choices):
         message: dict = {"role": "assistant", "content": choice.content or (None if choice.tool_calls else "")}

@@ -14,11 +14,12 @@ from server.serving import (
     SSE_DONE,
     Generation,
     GenerationStream,
+    ResponseInfo,
     ServerState,
     check_model,
     collect_unless_disconnected,
-    new_id,
     resolve_max_tokens,
+    response_info,
     sse,
     token_text,
     usage,
@@ -64,7 +65,7 @@ async def create_completion(state: ServerState, request: CompletionRequest, raw:
     generation = Generation(state, request, prompts, limits, start_time)
     await generation.start()
     echoes = [tokenizer.decode(p) if request.echo else "" for p in prompts for _ in range(request.n)]
-    info = (new_id("cmpl"), int(time.time()), sum(len(p) for p in prompts))
+    info = response_info("cmpl", state.model.name, sum(len(p) for p in prompts))
     if request.stream:
         return GenerationStream(_stream(state, request, generation, echoes, info), generation)
     return await collect_unless_disconnected(raw, generation,
@@ -72,9 +73,8 @@ async def create_completion(state: ServerState, request: CompletionRequest, raw:
 
 
 async def _stream(state: ServerState, request: CompletionRequest, generation: Generation, echoes: list[str],
-                  info: tuple[str, int, int]):
-    response_id, created, num_prompt_tokens = info
-    base = {"id": response_id, "object": "text_completion", "created": created, "model": state.model.name}
+                  info: ResponseInfo):
+    base = {"id": info.id, "object": "text_completion", "created": info.created, "model": info.model}
     if request.include_usage:
         base["usage"] = None
     offsets = [len(echo) for echo in echoes]
@@ -96,15 +96,14 @@ async def _stream(state: ServerState, request: CompletionRequest, generation: Ge
             if out.text or choice_logprobs or out.finish_reason:
                 yield chunk(index, out.text, choice_logprobs, out.finish_reason)
         if request.include_usage:
-            yield sse({**base, "choices": [], "usage": usage(num_prompt_tokens, sum(generation.num_tokens))})
+            yield sse({**base, "choices": [], "usage": usage(info.num_prompt_tokens, sum(generation.num_tokens))})
     except APIError as exc:
         yield sse(error_body(exc.status, exc.message, exc.param, exc.code))
     yield SSE_DONE
 
 
 async def _collect(state: ServerState, request: CompletionRequest, generation: Generation, echoes: list[str],
-                   info: tuple[str, int, int]) -> JSONResponse:
-    response_id, created, num_prompt_tokens = info
+                   info: ResponseInfo) -> JSONResponse:
     texts = list(echoes)
     reasons: list[str | None] = [None] * len(echoes)
     logprobs = [_Logprobs() for _ in echoes]
@@ -117,6 +116,5 @@ async def _collect(state: ServerState, request: CompletionRequest, generation: G
     choices = [{"index": index, "text": text,
                 "logprobs": logprobs[index].as_dict() if request.logprobs is not None else None,
                 "finish_reason": reasons[index]} for index, text in enumerate(texts)]
-    return JSONResponse({"id": response_id, "object": "text_completion", "created": created,
-                         "model": state.model.name, "choices": choices,
-                         "usage": usage(num_prompt_tokens, sum(generation.num_tokens))})
+    return JSONResponse({"id": info.id, "object": "text_completion", "created": info.created, "model": info.model,
+                         "choices": choices, "usage": usage(info.num_prompt_tokens, sum(generation.num_tokens))})

@@ -18,6 +18,14 @@ MAX_TOP_LOGPROBS = 20
 class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data):
+        # Clients send null for what they leave unset (`"n": null`, `"presence_penalty": null`): the default.
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
+
 
 class StreamOptions(OpenAIModel):
     include_usage: bool = False

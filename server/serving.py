@@ -133,6 +133,9 @@ class Generation:
 
     async def start(self) -> None:
         state = self.state
+        if len(self.jobs) > state.config.max_in_flight:  # would never fit: retrying cannot help
+            raise APIError(400, f"{len(self.jobs)} completions (prompts x n) exceed the server's limit of "
+                                f"{state.config.max_in_flight} requests at once", param="n")
         if state.num_in_flight + len(self.jobs) > state.config.max_in_flight:
             raise APIError(429, f"the server holds {state.num_in_flight} requests, its limit is "
                                 f"{state.config.max_in_flight}; retry later", code="queue_full")
@@ -196,8 +199,20 @@ class Generation:
         self.state.metrics.generation_tokens.inc(sum(self.num_tokens))
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+@dataclass(frozen=True)
+class ResponseInfo:
+    """What every chunk or response of one HTTP request repeats."""
+
+    id: str
+    created: int
+    model: str
+    num_prompt_tokens: int  # usage counts each prompt once, however many choices it has
+    is_named_tool_choice: bool = False
+
+
+def response_info(prefix: str, model: str, num_prompt_tokens: int, is_named_tool_choice: bool = False):
+    return ResponseInfo(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), model, num_prompt_tokens,
+                        is_named_tool_choice)
 
 
 def sse(payload: dict) -> str:

@@ -191,6 +191,19 @@ def test_full_queue_gets_429(engine, tokenizer, server, client):
 
 
 USER = [{"role": "user", "content": "hi"}]
+
+
+def test_null_parameters_mean_their_defaults(engine, tokenizer, server):
+    script(engine, tokenizer, "ok")
+    nulls = dict.fromkeys(["n", "stream", "stream_options", "stop", "seed", "temperature", "top_p", "presence_penalty",
+                           "frequency_penalty", "max_tokens", "logit_bias", "logprobs", "top_logprobs", "tools",
+                           "tool_choice", "user", "response_format", "ignore_eos", "skip_special_tokens"])
+    chat = httpx.post(server.url + "/v1/chat/completions", json={"messages": USER, **nulls}, timeout=30)
+    assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["content"] == "ok"
+    text = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "echo": None, "suffix": None, **nulls},
+                      timeout=30)
+    assert text.status_code == 200 and text.json()["choices"][0]["text"] == "ok"
+
 GARBAGE = [
     ("/v1/completions", []), ("/v1/completions", None), ("/v1/completions", "just a string"),
     ("/v1/completions", {"prompt": 5}), ("/v1/completions", {"prompt": [[]]}), ("/v1/completions", {"prompt": []}),
@@ -199,6 +212,7 @@ GARBAGE = [
     ("/v1/completions", {"prompt": "x", "logprobs": 50}), ("/v1/completions", {"prompt": "x", "max_tokens": 1.5}),
     ("/v1/completions", {"prompt": "x", "stop_token_ids": [-1]}), ("/v1/completions", {"prompt": "x", "seed": "a"}),
     ("/v1/completions", {"prompt": "x", "suffix": "y"}), ("/v1/completions", {"prompt": [[1, 2], [-3]]}),
+    ("/v1/completions", {"prompt": "x", "n": 4}),  # more than the 3 requests this server holds at once
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}),
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
