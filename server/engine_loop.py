@@ -18,6 +18,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
 from hybrid.detokenizer import IncrementalDetokenizer
 from hybrid.engine import EngineStats
 from hybrid.sampling import SamplingParams
@@ -73,8 +75,8 @@ class _Active:
 
 class EngineLoop:
     def __init__(self, engine, tokenizer, max_model_len: int):
-        """`engine`: a `hybrid.engine.Engine` (or anything with its add_request/step/finish/cancel/stats/has_work
-        and `requests`); `tokenizer` decodes its tokens."""
+        """`engine`: a `hybrid.engine.Engine` (or anything with its add_request/step/finish/cancel/stats/has_work,
+        `requests` and `device`); `tokenizer` decodes its tokens."""
         self.engine = engine
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -110,6 +112,9 @@ class EngineLoop:
     # --- the engine thread ----------------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        device = torch.device(self.engine.device)
+        if device.type == "cuda" and device.index is not None:
+            torch.cuda.set_device(device)  # kernels launch on the thread's current device, as in the main thread
         while True:
             try:
                 if not self._run_commands():

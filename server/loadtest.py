@@ -20,6 +20,9 @@ import time
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+# A load test, not a flood: bounds on what one run may send.
+LIMITS = {"requests": 100_000, "concurrency": 512, "max_tokens": 32_768, "prompt_words": 100_000}
+MAX_DURATION_S = 3600
 WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog", "while", "the", "server", "streams",
          "tokens", "back")
 
@@ -128,12 +131,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"loadtest: error: {args.url} is not a loopback address; this tool only loads a server on this "
               f"machine (127.0.0.1, ::1, localhost)", file=sys.stderr)
         return 1
-    for name in ("requests", "concurrency", "max_tokens", "prompt_words"):
-        if getattr(args, name) < 1:
-            print(f"loadtest: error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
+    for name, most in LIMITS.items():
+        if not 1 <= getattr(args, name) <= most:
+            print(f"loadtest: error: --{name.replace('_', '-')} must be in [1, {most}]", file=sys.stderr)
             return 1
-    if args.duration <= 0:
-        print("loadtest: error: --duration must be > 0", file=sys.stderr)
+    if not 0 < args.duration <= MAX_DURATION_S:
+        print(f"loadtest: error: --duration must be in (0, {MAX_DURATION_S}] seconds", file=sys.stderr)
         return 1
     report = asyncio.run(run(args))
     print(f"{report['num_ok']} requests ok, {report['num_failed']} failed in {report['seconds']:.1f} s "

@@ -77,6 +77,8 @@ class ScriptedEngine:
     """`Engine`'s interface; every request emits `script` (then stops at its last token or max_tokens).
     `gate` blocks `step` while cleared; `fail_steps` makes that many steps raise."""
 
+    device = "cpu"
+
     def __init__(self, script: list[int], max_model_len: int = 512, num_blocks: int = 64):
         self.script = list(script)
         self.max_model_len, self.num_blocks = max_model_len, num_blocks

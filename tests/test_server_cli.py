@@ -78,6 +78,8 @@ def test_failed_demo_build_leaves_nothing(tmp_path, monkeypatch):
 def test_loadtest_refuses_other_hosts(capsys):
     assert loadtest.main(["--url", "http://example.com:8000"]) == 1
     assert "not a loopback address" in capsys.readouterr().err
+    assert loadtest.main(["--concurrency", "100000"]) == 1 and "--concurrency" in capsys.readouterr().err
+    assert loadtest.main(["--duration", "1e9"]) == 1 and "--duration" in capsys.readouterr().err
     assert loadtest.is_loopback("http://127.0.0.1:8000") and loadtest.is_loopback("http://[::1]:80")
     assert loadtest.is_loopback("http://localhost:1") and not loadtest.is_loopback("http://10.0.0.1:8000")
 
