@@ -132,14 +132,14 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
     prompt_text, parser = render_prompt(state, request)
     prompt_ids = state.model.tokenizer.encode(prompt_text, add_special_tokens=False)
     max_tokens = resolve_max_tokens(request.max_new_tokens, len(prompt_ids), state.model.max_model_len, "messages")
-    generation = Generation(state, request, [prompt_ids], [max_tokens], start_time)
-    await generation.start()
     is_thinking = ReasoningParser.prompt_opens_thinking(prompt_text)
     prefix = _forced_prefix(parser, request)  # the parser reads the opening of a forced call as output
     choices = [ChatChoice(ReasoningParser(is_thinking) if state.model.has_reasoning else None,
-                          parser(prefix) if parser is not None else None) for _ in generation.jobs]
+                          parser(prefix) if parser is not None else None) for _ in range(request.n)]
     is_named = isinstance(request.tool_choice, NamedToolChoice)
     info = response_info("chatcmpl", state.model.name, len(prompt_ids), is_named)
+    generation = Generation(state, request, [prompt_ids], [max_tokens], start_time)
+    await generation.start()  # from here on, the response (stream or collection) closes the generation
     if request.stream:
         return GenerationStream(_stream(state, request, generation, choices, info), generation)
     return await collect_unless_disconnected(

@@ -62,10 +62,10 @@ async def create_completion(state: ServerState, request: CompletionRequest, raw:
     prompts = [_prompt_ids(tokenizer, prompt) for prompt in request.prompts]
     limits = [resolve_max_tokens(request.max_new_tokens, len(p), state.model.max_model_len, "prompt")
               for p in prompts]
-    generation = Generation(state, request, prompts, limits, start_time)
-    await generation.start()
     echoes = [tokenizer.decode(p) if request.echo else "" for p in prompts for _ in range(request.n)]
     info = response_info("cmpl", state.model.name, sum(len(p) for p in prompts))
+    generation = Generation(state, request, prompts, limits, start_time)
+    await generation.start()  # from here on, the response (stream or collection) closes the generation
     if request.stream:
         return GenerationStream(_stream(state, request, generation, echoes, info), generation)
     return await collect_unless_disconnected(raw, generation,

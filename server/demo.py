@@ -131,8 +131,9 @@ def build_checkpoint(path: Path, size: DemoSize) -> Path:
         # a wide initialisation so that greedy output varies from token to token instead of repeating one
         initializer_range=0.5, bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
         pad_token_id=ids["<|endoftext|>"])
-    torch.manual_seed(size.seed)
-    model = T.Qwen3MoeForCausalLM(config)
+    with torch.random.fork_rng():  # seeded weights without touching the caller's random state
+        torch.manual_seed(size.seed)
+        model = T.Qwen3MoeForCausalLM(config)
     model.generation_config = T.GenerationConfig(
         bos_token_id=ids["<|endoftext|>"], eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
         pad_token_id=ids["<|endoftext|>"])
