@@ -26,6 +26,7 @@ from server.serving import (
     ServerState,
     check_model,
     collect_unless_disconnected,
+    finite_logprob,
     resolve_max_tokens,
     response_info,
     sse,
@@ -155,10 +156,11 @@ def _forced_prefix(parser: type[ToolCallParser] | None, request: ChatCompletionR
 
 def _logprob_entry(tokenizer, token_id: int, logprob: float | None, top: tuple | None) -> dict:
     text = token_text(tokenizer, token_id)
-    entry = {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8")), "top_logprobs": []}
+    entry = {"token": text, "logprob": finite_logprob(logprob), "bytes": list(text.encode("utf-8")),
+             "top_logprobs": []}
     for top_id, top_logprob in top or ():
         top_text = token_text(tokenizer, top_id)
-        entry["top_logprobs"].append({"token": top_text, "logprob": top_logprob,
+        entry["top_logprobs"].append({"token": top_text, "logprob": finite_logprob(top_logprob),
                                       "bytes": list(top_text.encode("utf-8"))})
     return entry
 

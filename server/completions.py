@@ -18,6 +18,7 @@ from server.serving import (
     ServerState,
     check_model,
     collect_unless_disconnected,
+    finite_logprob,
     resolve_max_tokens,
     response_info,
     sse,
@@ -36,13 +37,14 @@ class _Logprobs:
         self.text_offset: list[int] = []
 
     def add(self, tokenizer, out, offset: int) -> dict:
-        token = token_text(tokenizer, out.token_id)
-        top = {token_text(tokenizer, token_id): logprob for token_id, logprob in out.top_logprobs or ()}
+        token, logprob = token_text(tokenizer, out.token_id), finite_logprob(out.logprob)
+        top = {token_text(tokenizer, token_id): finite_logprob(top_logprob)
+               for token_id, top_logprob in out.top_logprobs or ()}
         self.tokens.append(token)
-        self.token_logprobs.append(out.logprob)
+        self.token_logprobs.append(logprob)
         self.top_logprobs.append(top)
         self.text_offset.append(offset)
-        return {"tokens": [token], "token_logprobs": [out.logprob], "top_logprobs": [top], "text_offset": [offset]}
+        return {"tokens": [token], "token_logprobs": [logprob], "top_logprobs": [top], "text_offset": [offset]}
 
     def as_dict(self) -> dict:
         return {"tokens": self.tokens, "token_logprobs": self.token_logprobs, "top_logprobs": self.top_logprobs,

@@ -216,7 +216,7 @@ def response_info(prefix: str, model: str, num_prompt_tokens: int, is_named_tool
 
 
 def sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {json.dumps(payload, ensure_ascii=False, allow_nan=False, separators=(',', ':'))}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -261,6 +261,16 @@ async def collect_unless_disconnected(request: Request, generation: Generation, 
 def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
     return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
             "total_tokens": num_prompt_tokens + num_completion_tokens}
+
+
+MIN_LOGPROB = -9999.0  # what OpenAI reports for a token the model all but rules out
+
+
+def finite_logprob(logprob: float | None) -> float | None:
+    """JSON has no -inf or NaN: a logprob below MIN_LOGPROB, or not a number, is reported as MIN_LOGPROB."""
+    if logprob is None:
+        return None
+    return logprob if logprob >= MIN_LOGPROB else MIN_LOGPROB  # NaN compares false too
 
 
 def token_text(tokenizer, token_id: int) -> str:

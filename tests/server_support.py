@@ -88,6 +88,7 @@ class ScriptedEngine:
         self.gate = threading.Event()
         self.gate.set()
         self.fail_steps = 0
+        self.logprobs: tuple[float, tuple[tuple[int, float], ...]] | None = None  # (logprob, top) of every token
         self._next_id = 0
 
     def add_request(self, prompt_ids, params=None, max_tokens=16, stop_token_ids=None, ignore_eos=False) -> int:
@@ -120,7 +121,7 @@ class ScriptedEngine:
             reason = "stop" if token in r.stop_token_ids or is_last else \
                 "length" if len(r.output_ids) >= r.max_tokens else None
             r.finish_reason = reason
-            outputs.append(StepOutput(r.request_id, token, reason))
+            outputs.append(StepOutput(r.request_id, token, reason, *(self.logprobs or (None, None))))
         return outputs
 
     def finish(self, request_id: int, reason: str = "stop") -> None:

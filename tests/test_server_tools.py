@@ -20,6 +20,7 @@ WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather of a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+USER = [{"role": "user", "content": "hi"}]
 CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 
@@ -146,6 +147,20 @@ def test_stop_string_finishes_the_engine_request(engine, tokenizer, client):
     assert reason == "stop" and request_id not in engine.requests  # ended in the engine and forgotten
 
 
+def test_logprobs_out_of_json_range_are_floored(engine, tokenizer, server, client):
+    script(engine, tokenizer, "ok")
+    engine.logprobs = (float("-inf"), ((5, float("nan")), (6, -1e6)))
+    try:
+        chat = client.chat.completions.create(model="hybrid-demo", messages=USER, logprobs=True, top_logprobs=2)
+        entry = chat.choices[0].logprobs.content[0]
+        assert entry.logprob == -9999.0 and [t.logprob for t in entry.top_logprobs] == [-9999.0, -9999.0]
+        body = {"prompt": "x", "logprobs": 2, "stream": True}
+        events = httpx.post(server.url + "/v1/completions", json=body, timeout=30).text
+        assert "Infinity" not in events and "NaN" not in events and "-9999.0" in events
+    finally:
+        engine.logprobs = None
+
+
 def test_engine_failure_fails_the_request_and_the_loop_goes_on(engine, tokenizer, server, client):
     script(engine, tokenizer, "fine")
     engine.fail_steps = 1
@@ -189,8 +204,6 @@ def test_full_queue_gets_429(engine, tokenizer, server, client):
     assert results == ["slow answer"] * 3
     assert client.completions.create(model="hybrid-demo", prompt="x", max_tokens=5).choices[0].text == "slow answer"
 
-
-USER = [{"role": "user", "content": "hi"}]
 
 
 def test_null_parameters_mean_their_defaults(engine, tokenizer, server):
