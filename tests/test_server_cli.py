@@ -19,6 +19,8 @@ from hybrid.errors import ConfigError
 from server import demo, loadtest
 from server.cli import build_parser, main
 from server.config import ServerConfig
+from server.protocol import CompletionRequest
+from server.serving import make_params, sampling_defaults
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -122,3 +124,17 @@ def test_hybrid_serve_demo_end_to_end(tmp_path):
     assert process.returncode == 0, output
     assert f"http://127.0.0.1:{port}/v1" in output and "RANDOM weights" in output
     assert (tmp_path / "cache" / "hybrid").is_dir()
+
+
+def test_sampling_defaults_from_generation_config(tmp_path):
+    """What a request leaves out comes from the checkpoint's generation_config.json, then OpenAI's defaults."""
+    (tmp_path / "generation_config.json").write_text(
+        '{"temperature": 0.6, "top_p": 0.95, "top_k": 20, "eos_token_id": 2, "do_sample": true}')
+    defaults = sampling_defaults(str(tmp_path))
+    assert defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    request = CompletionRequest(prompt="x", seed=7, n=2, top_p=0.5)
+    params = make_params(request, defaults, index=1)
+    assert (params.temperature, params.top_p, params.top_k, params.seed) == (0.6, 0.5, 20, 8)
+    plain = make_params(CompletionRequest(prompt="x", top_k=-1), {}, index=0)
+    assert (plain.temperature, plain.top_p, plain.top_k, plain.seed, plain.logprobs) == (1.0, 1.0, 0, None, None)
+    assert sampling_defaults(str(tmp_path / "missing")) == {} and sampling_defaults(None) == {}
