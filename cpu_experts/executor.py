@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-from cpu_experts.topology import pin_current_thread
+from cpu_experts.topology import pin_current_thread, use_kernel_threads
 
 Compute = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
@@ -177,9 +177,11 @@ class AsyncExperts(_ExpertsBase):
         pin_memory: bool | None = None,
         worker_cpus: tuple[int, ...] | None = None,
         name: str = "cpu-experts",
+        num_threads: int | None = None,
     ):
         super().__init__(compute, max_tokens, hidden_size, top_k, dtype, pin_memory)
         self.worker_cpus = worker_cpus
+        self.num_threads = num_threads  # of the kernels' pool, per `topology.use_kernel_threads`; None: all
         self._wake = threading.Condition()
         self._job: tuple[int, int, object] | None = None  # (layer, T, CUDA event or None), guarded by _wake
         self._stop = False
@@ -227,6 +229,7 @@ class AsyncExperts(_ExpertsBase):
 
     def _worker(self) -> None:
         pin_current_thread(self.worker_cpus)
+        use_kernel_threads(self.num_threads)
         while True:
             with self._wake:
                 self._wake.wait_for(lambda: self._job is not None or self._stop)

@@ -30,7 +30,7 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from cpu_experts.executor import Compute, CpuExpertsError, _ExpertsBase
-from cpu_experts.topology import pin_current_thread
+from cpu_experts.topology import pin_current_thread, use_kernel_threads
 
 # int32 slots of the flags tensor: request and done on separate 64-byte lines
 REQUEST, DONE = 0, 16
@@ -65,10 +65,10 @@ class FlagWorker(_ExpertsBase):
 
     def __init__(self, compute: Compute, max_tokens: int, hidden_size: int, top_k: int,
                  dtype: torch.dtype = torch.float32, pin_memory: bool | None = None,
-                 worker_cpus: tuple[int, ...] | None = None):
+                 worker_cpus: tuple[int, ...] | None = None, num_threads: int | None = None):
         super().__init__(compute, max_tokens, hidden_size, top_k, dtype, pin_memory)
         self.flags = torch.zeros(32, dtype=torch.int32, pin_memory=self.pin_memory)
-        self.worker_cpus = worker_cpus
+        self.worker_cpus, self.num_threads = worker_cpus, num_threads
         self._wake = threading.Condition()
         self._job: tuple[int, int] | None = None  # (T, layers) of the armed step, guarded by _wake
         self._step_done = threading.Event()
@@ -123,6 +123,7 @@ class FlagWorker(_ExpertsBase):
 
     def _worker(self) -> None:
         pin_current_thread(self.worker_cpus)
+        use_kernel_threads(self.num_threads)
         request = ctypes.c_int32.from_address(self.flag_address(REQUEST))
         done = ctypes.c_int32.from_address(self.flag_address(DONE))
         while True:

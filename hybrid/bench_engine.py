@@ -20,10 +20,13 @@ import torch
 
 from cpu_experts.bench import ReadBandwidth, last_level_cache_bytes
 from cpu_experts.module import CpuExperts
+from cpu_experts.topology import allowed_cpus, use_kernel_threads
 from hybrid.cli_args import add_arguments, from_namespace
 from hybrid.engine import Engine
 from hybrid.engine_config import EngineConfig
+from hybrid.layers.moe import SparseMoE
 from hybrid.llm import LLM
+from hybrid.placement import HybridExperts
 from hybrid.synthetic import SHAPES, write_synthetic_checkpoint
 
 
@@ -59,12 +62,15 @@ def timed_cpu_experts(llm: LLM) -> list[float]:
 
 
 def expert_bytes_per_step(llm: LLM, num_tokens: int) -> float:
-    """Routed experts' bytes one step reads: the expected distinct experts of `num_tokens` uniformly routed
-    tokens (prefill: the bound is the read alone, a floor; its arithmetic is `hybrid-bench cpu-moe`'s)."""
-    modules = [m for m in llm.model.modules() if isinstance(m, CpuExperts)]
+    """Routed experts' bytes one step reads on the CPU: the expected distinct CPU-resident experts of `num_tokens`
+    uniformly routed tokens (prefill: the bound is the read alone, a floor; its arithmetic is `hybrid-bench
+    cpu-moe`'s). GPU-resident experts (`gpu_experts`) are not read by the CPU."""
     num_experts, top_k = llm.config.moe.num_experts, llm.config.moe.top_k
-    expected_distinct = num_experts * (1 - (1 - top_k / num_experts) ** num_tokens)
-    return sum(m.op.layer.expert_bytes() for m in modules) * expected_distinct
+    is_routed = 1 - (1 - top_k / num_experts) ** num_tokens  # chance that a given expert gets a token
+    hybrid = [m for m in llm.model.modules() if isinstance(m, HybridExperts)]
+    on_gpu = {id(getattr(m.cpu_experts, "cpu_experts", m.cpu_experts)): len(m.gpu_expert_ids) for m in hybrid}
+    return sum(m.op.layer.expert_bytes() * (num_experts - on_gpu.get(id(m), 0)) * is_routed
+               for m in llm.model.modules() if isinstance(m, CpuExperts))
 
 
 def _time_steps(engine: Engine, cpu_seconds: list[float]) -> tuple[float, int, float]:
@@ -103,8 +109,28 @@ def gpu_only_step_seconds(engine: Engine, llm: LLM, prompts, new_tokens: int, cp
     return seconds / max(steps, 1)
 
 
+def deferral_kl(llm: LLM, num_tokens: int = 256) -> float | None:
+    """Mean KL(exact || deferred) of the next-token distributions over a random prompt's positions: what
+    `defer_experts` costs in model semantics (on a synthetic model's random weights, only an indication)."""
+    blocks = [m for m in llm.model.modules() if isinstance(m, SparseMoE) and m.is_deferring]
+    if not blocks:
+        return None
+    prompt = torch.randint(llm.config.vocab_size, (min(num_tokens, llm.max_model_len),)).tolist()
+    deferred = llm.prefill_logits(prompt).log_softmax(dim=-1)
+    for block in blocks:
+        block.is_deferring = False
+    try:
+        exact = llm.prefill_logits(prompt).log_softmax(dim=-1)
+    finally:
+        for block in blocks:
+            block.is_deferring = True
+    return float((exact.exp() * (exact - deferred)).sum(dim=-1).mean())
+
+
 def run(args) -> dict:
     torch.manual_seed(0)
+    if torch.device(args.device).type == "cuda":  # what LLM does, before the converter starts numba's pool
+        use_kernel_threads(len(allowed_cpus()) - 1)
     path = converted_model(args)
     config = from_namespace(EngineConfig, args, max_model_len=max(args.tokens + 64, 256))
     llm = LLM(path, config=config)
@@ -123,6 +149,7 @@ def run(args) -> dict:
         seconds, steps, cpu, tokens = _decode(engine, prompts, args.tokens + 1, cpu_seconds)
         gpu_only_s = gpu_only_step_seconds(engine, llm, prompts, args.tokens + 1, cpu_seconds)
     engine.close()
+    kl = deferral_kl(llm)
     llm.close()
     read_bw = ReadBandwidth(max(8 * last_level_cache_bytes(), 1 << 30))()
     step_s = seconds / max(steps, 1)
@@ -137,7 +164,7 @@ def run(args) -> dict:
             "tokens_per_s": tokens / seconds, "step_ms": step_s * 1e3, "cpu_experts_ms": cpu_s * 1e3,
             "gpu_only_ms": None if gpu_only_s is None else gpu_only_s * 1e3,
             "not_cpu_ms": (step_s - cpu_s) * 1e3, "read_gb_s": read_bw / 1e9, "bound_ms": bound_s * 1e3,
-            "of_bound": bound_s / step_s}
+            "of_bound": bound_s / step_s, "defer_experts": config.defer_experts, "deferral_kl": kl}
 
 
 def main(argv: list[str], mode: str) -> int:
@@ -163,6 +190,8 @@ def main(argv: list[str], mode: str) -> int:
           f"{row['gpu_experts']}: {row['tokens_per_s']:.1f} tokens/s, step {row['step_ms']:.2f} ms (CPU experts "
           f"{row['cpu_experts_ms']:.2f}, rest {row['not_cpu_ms']:.2f}{gpu}); bound {row['bound_ms']:.2f} ms at "
           f"{row['read_gb_s']:.1f} GB/s read: {row['of_bound']:.0%} of it")
+    if row["deferral_kl"] is not None:
+        print(f"defer_experts {row['defer_experts']}: KL(exact || deferred) {row['deferral_kl']:.2e} nats/token")
     return 0
 
 

@@ -118,9 +118,11 @@ def load_cpu_experts(model, experts: ConvertedExperts, num_partitions: int) -> N
             module.load(PackedLayer.from_file_tensors(tensors, spec, num_partitions))
 
 
-def bind_cpu_executor(model, max_tokens: int, dtype: torch.dtype) -> AsyncExperts | None:
+def bind_cpu_executor(model, max_tokens: int, dtype: torch.dtype, num_threads: int | None = None
+                      ) -> AsyncExperts | None:
     """One asynchronous executor for every `CpuExperts` of `model` (they run one layer at a time), bound to each,
-    so the MoE blocks overlap their shared expert with the CPU's routed experts; None if the model has none."""
+    so the MoE blocks overlap their shared expert with the CPU's routed experts; None if the model has none.
+    `num_threads`: of the kernels' pool (`cpu_experts.topology.use_kernel_threads`)."""
     modules = {m.layer_idx: m for m in model.modules() if isinstance(m, CpuExperts)}
     if not modules:
         return None
@@ -129,7 +131,8 @@ def bind_cpu_executor(model, max_tokens: int, dtype: torch.dtype) -> AsyncExpert
     def compute(layer, hidden, topk_ids, topk_weights, out):
         modules[layer].compute(hidden, topk_ids, topk_weights, out)
 
-    executor = AsyncExperts(compute, max_tokens, config.hidden_size, config.moe.top_k, dtype)
+    executor = AsyncExperts(compute, max_tokens, config.hidden_size, config.moe.top_k, dtype,
+                            num_threads=num_threads)
     for module in modules.values():
         module.bind(executor)
     return executor

@@ -25,6 +25,7 @@ from cpu_experts.module import CpuExperts
 from gpu_layers.handoff import post_flag, wait_flag
 from hybrid.block_manager import blocks_needed
 from hybrid.forward_batch import ForwardBatch, SequenceSlice
+from hybrid.layers.moe import SparseMoE
 
 
 class GraphHandoff:
@@ -88,8 +89,12 @@ class CudaGraphRunner:
         self.worker = self.handoff = None
         if self.cpu_modules:
             executor = llm.cpu_executor
-            self.worker = FlagWorker(executor.compute, n, executor.hidden_size, executor.top_k, executor.dtype)
+            self.worker = FlagWorker(executor.compute, n, executor.hidden_size, executor.top_k, executor.dtype,
+                                     num_threads=executor.num_threads)
             self.handoff = GraphHandoff(self.worker, self.device)
+        # CPU requests per step: one per MoE layer, two where the layer defers experts to the next one
+        self.num_requests = sum(1 + m.is_deferring for m in self.model.modules()
+                                if isinstance(m, SparseMoE) and getattr(m.experts, "is_async", False))
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self._armed = False
@@ -115,7 +120,7 @@ class CudaGraphRunner:
 
     def _arm(self, size: int) -> None:
         if self.worker is not None:
-            self.worker.arm(size, len(self.cpu_modules))
+            self.worker.arm(size, self.num_requests)
             self._armed = True
 
     def finish_step(self) -> None:

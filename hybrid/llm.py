@@ -11,10 +11,11 @@ from pathlib import Path
 
 import torch
 
-from cpu_experts.topology import discover_nodes
+from cpu_experts.topology import allowed_cpus, discover_nodes, use_kernel_threads
 from hybrid.block_manager import BlockAllocator, blocks_needed
 from hybrid.converted import bind_cpu_executor, cpu_experts_factory, read_manifest
 from hybrid.engine_config import EngineConfig
+from hybrid.errors import ConfigError
 from hybrid.forward_batch import ForwardBatch, SequenceSlice
 from hybrid.kv_cache import allocate_kv_cache, kv_bytes_per_token
 from hybrid.layers.backends import Backends, uses_gemm_kernels
@@ -30,6 +31,7 @@ from hybrid.placement import (
     hybrid_experts_factory,
 )
 from hybrid.sampling import RowInputs, SamplingParams, sample_batch
+from hybrid.streaming import wrap_streamed
 
 
 def build_model(cls: type[MoECausalLM], config, engine: EngineConfig, backends: Backends | None = None):
@@ -64,25 +66,38 @@ class LLM:
         # Placement, decided once: a converted directory's routed experts run on the CPU operator (some of them on
         # the GPU with gpu_experts); a plain checkpoint's run through the PyTorch reference on the engine's device.
         is_converted = read_manifest(Path(path)) is not None
+        # On CUDA the CPU experts leave one CPU to the thread driving the GPU; set before loading runs a kernel
+        num_threads = max(1, len(allowed_cpus()) - 1) if cfg.is_cuda and is_converted else None
+        use_kernel_threads(num_threads)
         self.num_gpu_experts = 0
         make_experts = None
         if is_converted:
             self.num_gpu_experts = self._resolve_gpu_experts(cls, num_blocks)
             make_experts = self._converted_experts_factory(self.num_gpu_experts)
+        if cfg.defer_experts >= self.config.moe.top_k:
+            raise ConfigError(f"defer_experts {cfg.defer_experts} must be below the model's top-k routing "
+                              f"({self.config.moe.top_k})")
         backends = Backends.for_device(cfg.device, self.config, block_size, cfg.torch_dtype, cfg.kernels,
-                                       make_experts)
+                                       make_experts, cfg.defer_experts)
         self.backends = backends
         self.model = build_model(cls, self.config, cfg, backends)
+        streamed = []
+        if is_converted and cfg.is_cuda and cfg.gpu_prefill_tokens:
+            streamed = wrap_streamed(self.model, cfg.gpu_prefill_tokens, cfg.device)
         partitions = cfg.numa_partitions or len(discover_nodes())
         load_weights(self.model, path, partitions, keep_quantized=backends.keep_quantized)
         for module in self.model.modules():
             if hasattr(module, "fuse_gate_up"):
                 module.fuse_gate_up()  # the kernels' stacked gate/up layout (MLPs: only when the ops use it)
+        self.num_pinned_bytes = sum(m.pin_weights() for m in streamed)
         self.routing_recorder: RoutingRecorder | None = None
         if cfg.record_routing:
             self.record_routing()
         # CPU experts of a converted model run on one executor thread, overlapped with the shared experts
-        self.cpu_executor = bind_cpu_executor(self.model, self.max_model_len, torch.float32) if is_converted else None
+        # (on CUDA leaving one CPU to the thread that drives the GPU)
+        self.cpu_executor = None
+        if is_converted:
+            self.cpu_executor = bind_cpu_executor(self.model, self.max_model_len, torch.float32, num_threads)
         self.allocator = BlockAllocator(num_blocks)
         self.kv_caches = allocate_kv_cache(self.model.attention_layers(), num_blocks, block_size, cfg.torch_dtype,
                                            cfg.device)

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from cpu_experts.module import CpuExperts
-from hybrid.layers.moe import Router, TritonExperts
+from hybrid.layers.moe import Router, TorchExperts, TritonExperts
 
 
 @dataclass(frozen=True)
@@ -175,5 +175,8 @@ def hybrid_experts_factory(layer_idx: int, config, placement: ExpertPlacement, i
     if not gpu_ids:
         return cpu
     moe = config.moe
+    if len(gpu_ids) == moe.num_experts:  # the whole layer fits: no CPU part to hand anything to
+        cls = TritonExperts if is_fused else TorchExperts
+        return cls(moe.num_experts, config.hidden_size, moe.intermediate_size, moe.expert_proj_names)
     return HybridExperts(cpu, gpu_ids, moe.num_experts, config.hidden_size, moe.intermediate_size,
                          moe.expert_proj_names, is_fused)

@@ -80,3 +80,17 @@ def test_graph_step_error_surfaces_and_engine_recovers(converted):
     engine.cancel(request_id)
     assert engine.generate([prompt(6, seed=1)], max_tokens=4, ignore_eos=True)[0]
     engine.close()
+
+
+def test_deferred_experts_inside_the_graph(converted):
+    """defer_experts=1: two CPU requests per deferring layer inside the graph, same tokens as eager."""
+    outputs = {}
+    for is_graph in (False, True):
+        llm = LLM(converted, device="cuda", dtype="float32", max_model_len=128, cuda_graph=is_graph,
+                  defer_experts=1)
+        engine = Engine(llm, max_num_seqs=2)
+        if is_graph:
+            assert engine.graph_runner.num_requests > len(engine.graph_runner.cpu_modules)
+        outputs[is_graph] = engine.generate([prompt(7, seed=3), prompt(12, seed=4)], max_tokens=16, ignore_eos=True)
+        engine.close()
+    assert outputs[True] == outputs[False]

@@ -218,3 +218,72 @@ def test_gpu_resident_experts_through_the_fused_kernel(tmp_path):
     whole = LLM(tmp_path / "dst", **args)
     got, want = split.prefill_logits(PROMPTS[3]), whole.prefill_logits(PROMPTS[3])
     assert float((got - want).norm() / want.norm()) < 2e-2
+
+
+def test_expert_deferral_adds_the_lowest_experts_one_layer_later(tmp_path):
+    """`defer_experts=1` on a converted model against the same model with its CPU experts called inline and MoE
+    blocks that defer by hand: each token's lowest-weight expert of layers 1 and 2 lands in the next MoE layer's
+    output, the last layer defers nothing. The exact model differs from both."""
+    import types
+
+    from convert.cli import main
+    from cpu_experts.module import CpuExperts
+    from hybrid.layers.moe import SparseMoE
+
+    make_checkpoint(VARIANTS["deepseek_v3"](), tmp_path / "src", seed=SEEDS["deepseek_v3"])  # top-3, MoE 1-3
+    assert main([str(tmp_path / "src"), str(tmp_path / "dst"), "--expert-dtype", "bf16"]) == 0
+    args = dict(device="cpu", dtype="float32", expert_activations="float")
+    deferred = LLM(tmp_path / "dst", defer_experts=1, **args)
+    reference = LLM(tmp_path / "dst", **args)
+    for module in reference.model.modules():
+        if isinstance(module, CpuExperts):
+            module.bind(None)  # inline: no executor, no ExpertDeferral
+    carry = {}
+    moe_blocks = [m for m in reference.model.modules() if isinstance(m, SparseMoE)]
+
+    def by_hand(self, x):
+        weights, ids = self.gate(x)
+        is_late = weights.argsort(dim=1).argsort(dim=1) < 1  # rank 0: the token's lowest weight
+        is_last = self is moe_blocks[-1]
+        out = self.experts(x, ids if is_last else ids.masked_fill(is_late, -1), weights) + self._shared(x)
+        if "late" in carry:
+            out = out + carry.pop("late")
+        if not is_last:
+            carry["late"] = self.experts(x, ids.masked_fill(~is_late, -1), weights)
+        return out
+
+    for block in moe_blocks:
+        block.forward = types.MethodType(by_hand, block)
+    ids = PROMPTS[4]
+    got, want = deferred.prefill_logits(ids), reference.prefill_logits(ids)
+    exact = LLM(tmp_path / "dst", **args).prefill_logits(ids)
+    scale = want.abs().max()
+    assert (got - want).abs().max() <= 1e-5 * scale
+    assert (got - exact).abs().max() > 1e-2 * scale
+    with pytest.raises(ValueError, match="defer_experts 3 must be below"):
+        LLM(tmp_path / "dst", defer_experts=3, **args)
+
+
+def test_auto_gpu_experts_fills_what_is_left():
+    from types import SimpleNamespace
+
+    from hybrid.placement import auto_gpu_experts
+
+    config = SimpleNamespace(hidden_size=64, moe_layers=(False, True, True),
+                             moe=SimpleNamespace(intermediate_size=32, num_experts=8))
+    expert = 3 * 64 * 32 * 2  # bf16 gate, up, down
+    assert auto_gpu_experts(config, 10_000 + 2 * 5 * expert + expert, 9_000, 1_000, 2) == 5  # 5 per layer, 2 layers
+    assert auto_gpu_experts(config, 10_000, 9_000, 2_000, 2) == 0  # nothing left
+    assert auto_gpu_experts(config, 10**9, 0, 0, 2) == 8  # capped at the layer's experts
+
+
+def test_record_routing_file_written_at_close(tmp_path):
+    from hybrid.placement import RoutingStats
+
+    make_checkpoint(VARIANTS["qwen3_moe"](), tmp_path / "src", seed=SEEDS["qwen3_moe"])
+    llm = LLM(tmp_path / "src", device="cpu", dtype="float32", record_routing=str(tmp_path / "routing.json"))
+    llm.prefill_logits(PROMPTS[2])
+    llm.close()
+    counts = RoutingStats.read(tmp_path / "routing.json").counts
+    top_k = llm.config.moe.top_k
+    assert counts and all(sum(c) == len(PROMPTS[2]) * top_k for c in counts.values())

@@ -139,10 +139,13 @@ class Backends:
     ops: DenseOps = TORCH_OPS
     # Dense Linear layers keep quantized checkpoint weights for the Triton GEMMs (hybrid.layers.quantized_linear)
     keep_quantized: bool = False
+    # Expert deferral (`hybrid.layers.moe.ExpertDeferral`): each token's N lowest-weight CPU experts a layer late
+    defer_experts: int = 0
 
     @classmethod
     def for_device(cls, device: torch.device | str, config: ModelConfig, block_size: int, dtype: torch.dtype,
-                   kernels: str = "auto", make_experts: ExpertsFactory | None = None) -> Backends:
+                   kernels: str = "auto", make_experts: ExpertsFactory | None = None,
+                   defer_experts: int = 0) -> Backends:
         """`kernels`: "auto" (the Triton kernels on CUDA, PyTorch elsewhere), "triton" or "torch".
         `make_experts` None: the model's own routed experts on `device`, through the fused-MoE kernel where the
         kernels run in bf16/fp16, else the PyTorch reference."""
@@ -154,4 +157,5 @@ class Backends:
         is_half_kernels = uses_gemm_kernels(device, kernels, dtype)
         if make_experts is None:
             make_experts = triton_experts_factory if is_half_kernels else default_experts_factory
-        return cls(attention=attention, make_experts=make_experts, ops=ops, keep_quantized=is_half_kernels)
+        return cls(attention=attention, make_experts=make_experts, ops=ops, keep_quantized=is_half_kernels,
+                   defer_experts=defer_experts)

@@ -109,12 +109,42 @@ class TritonExperts(TorchExperts):
         return fused_moe(hidden, self.w_gate_up, down, topk_ids, topk_weights.float().contiguous())
 
 
+class ExpertDeferral:
+    """`defer_experts=N` (opt-in; 0 keeps the model exact): each token's N lowest-weight routed experts of a MoE
+    layer run on the CPU while the GPU computes the next layer's attention, and their output is added to the next
+    MoE layer's output instead of this one's, so that attention sees a hidden state missing them. One instance per
+    model carries the pending layer from one SparseMoE to the next; the last MoE layer defers nothing."""
+
+    def __init__(self, num_deferred: int):
+        self.num_deferred = num_deferred
+        self._pending: tuple[nn.Module, torch.Tensor] | None = None  # (experts submitted, their input)
+
+    @staticmethod
+    def split(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_deferred: int):
+        """topk_ids [T, K] -> (ids now, ids deferred), each -1 where the other one has the expert."""
+        lowest = topk_weights.argsort(dim=1)[:, :num_deferred]  # [T, N] columns of the lowest weights
+        is_deferred = torch.zeros_like(topk_ids, dtype=torch.bool).scatter_(1, lowest, True)
+        return topk_ids.masked_fill(is_deferred, -1), topk_ids.masked_fill(~is_deferred, -1)
+
+    def hold(self, experts: nn.Module, x: torch.Tensor) -> None:
+        self._pending = (experts, x)
+
+    def collect(self) -> torch.Tensor | None:
+        """The previous MoE layer's deferred output [T, H] (waits for the CPU), or None."""
+        if self._pending is None:
+            return None
+        experts, x = self._pending
+        self._pending = None
+        return experts.sync(like=x)
+
+
 class SparseMoE(nn.Module):
     """`shared_name` follows the checkpoint: `shared_experts` (DeepSeek, GLM) or `shared_expert` (Qwen2-MoE,
-    which also has a sigmoid `shared_expert_gate`)."""
+    which also has a sigmoid `shared_expert_gate`). `deferral`: expert deferral across MoE layers (CPU experts
+    only), `is_deferring`: whether this layer hands some of its experts to the next one."""
 
     def __init__(self, hidden_size: int, moe: MoEConfig, experts: nn.Module, shared_name: str = "shared_experts",
-                 ops: DenseOps = TORCH_OPS):
+                 ops: DenseOps = TORCH_OPS, deferral: ExpertDeferral | None = None, is_deferring: bool = False):
         super().__init__()
         self.gate = Router(hidden_size, moe, ops)
         self.experts = experts
@@ -122,16 +152,28 @@ class SparseMoE(nn.Module):
         if self.shared_name:
             setattr(self, shared_name, GatedMLP(hidden_size, moe.shared_intermediate_size, ops))
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if moe.has_shared_gate else None
+        self.deferral, self.is_deferring = deferral, is_deferring
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.gate(x)
-        if getattr(self.experts, "is_async", False):  # CPU experts on their executor: overlap the shared expert
-            self.experts.submit(x, topk_ids, topk_weights)
-            shared = self._shared(x)
-            out = self.experts.sync(like=x)
-        else:
+        if not getattr(self.experts, "is_async", False):
             out, shared = self.experts(x, topk_ids, topk_weights), self._shared(x)
-        return out if shared is None else out + shared
+            return out if shared is None else out + shared
+        # CPU experts on their executor: the shared expert (and GPU-resident experts) overlap them
+        carried = self.deferral.collect() if self.deferral is not None else None
+        deferred_ids = None
+        if self.is_deferring:
+            topk_ids, deferred_ids = ExpertDeferral.split(topk_ids, topk_weights, self.deferral.num_deferred)
+        self.experts.submit(x, topk_ids, topk_weights)
+        shared = self._shared(x)
+        out = self.experts.sync(like=x)
+        if deferred_ids is not None:  # runs on the CPU while the next layer's attention runs on the GPU
+            self.experts.submit(x, deferred_ids, topk_weights)
+            self.deferral.hold(self.experts, x)
+        for part in (shared, carried):
+            if part is not None:
+                out = out + part
+        return out
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor | None:
         if not self.shared_name:

@@ -18,7 +18,7 @@ from hybrid.layers.attention import GQAAttention
 from hybrid.layers.backends import Backends
 from hybrid.layers.mla import MLAAttention
 from hybrid.layers.mlp import GatedMLP
-from hybrid.layers.moe import SparseMoE
+from hybrid.layers.moe import ExpertDeferral, SparseMoE
 from hybrid.layers.norm import RMSNorm
 from hybrid.layers.ops import DenseOps
 from hybrid.layers.rotary import RotaryEmbedding
@@ -50,6 +50,9 @@ class MoECausalLM(nn.Module):
         super().__init__()
         backends = backends or Backends()
         self.config = config
+        moe_layers = [i for i, is_moe in enumerate(config.moe_layers) if is_moe]
+        self.deferral = ExpertDeferral(backends.defer_experts) if backends.defer_experts and moe_layers else None
+        self._last_moe_layer = moe_layers[-1] if moe_layers else -1
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         rotary = RotaryEmbedding(config.rope, backends.ops)
@@ -84,7 +87,8 @@ class MoECausalLM(nn.Module):
         if not cfg.moe_layers[layer_idx]:
             return GatedMLP(cfg.hidden_size, cfg.intermediate_size, backends.ops)
         experts = backends.make_experts(layer_idx, cfg)
-        return SparseMoE(cfg.hidden_size, cfg.moe, experts, self.shared_expert_name, backends.ops)
+        return SparseMoE(cfg.hidden_size, cfg.moe, experts, self.shared_expert_name, backends.ops, self.deferral,
+                         is_deferring=self.deferral is not None and layer_idx != self._last_moe_layer)
 
     # --- checkpoint contract (used by hybrid.loader) ---
 
