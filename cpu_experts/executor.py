@@ -183,7 +183,8 @@ class AsyncExperts(_ExpertsBase):
         self.worker_cpus = worker_cpus
         self.num_threads = num_threads  # of the kernels' pool, per `topology.use_kernel_threads`; None: all
         self._wake = threading.Condition()
-        self._job: tuple[int, int, object] | None = None  # (layer, T, CUDA event or None), guarded by _wake
+        # (layer, T, CUDA event or None), or a callable from `call_soon`; guarded by _wake
+        self._job: tuple[int, int, object] | Callable[[], None] | None = None
         self._stop = False
         self._done = threading.Event()
         self._closed = False
@@ -200,6 +201,18 @@ class AsyncExperts(_ExpertsBase):
         self._done.clear()
         with self._wake:
             self._job = (layer, self._num_tokens, event)
+            self._wake.notify()
+
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Runs fn() on the worker thread, between submits (the CUDA-graph hand-off serves a whole step from here).
+        One thread launches every CPU-expert kernel: numba's OpenMP layer keeps a pool of threads per launching
+        thread, and two pools outnumber the CPUs, which makes libgomp's idle threads sleep instead of spin."""
+        if self._closed or not self._thread.is_alive():
+            raise CpuExpertsError("the CPU experts executor is closed or its worker thread is not running")
+        with self._wake:
+            if self._layer is not None or self._job is not None:
+                raise RuntimeError("call_soon() while a layer is in flight: call sync() first")
+            self._job = fn
             self._wake.notify()
 
     def sync(self) -> torch.Tensor:
@@ -235,8 +248,11 @@ class AsyncExperts(_ExpertsBase):
                 self._wake.wait_for(lambda: self._job is not None or self._stop)
                 if self._stop:
                     return
-                layer, num_tokens, event = self._job
-                self._job = None
+                job, self._job = self._job, None
+            if callable(job):
+                job()  # reports its own errors (FlagWorker.finish_step)
+                continue
+            layer, num_tokens, event = job
             try:
                 if event is not None:
                     event.synchronize()  # the non-blocking device-to-host copies have landed

@@ -4,7 +4,8 @@ the host launching anything.
 
 Protocol, per step (the device side is `hybrid.cuda_graphs.GraphHandoff` with the kernels of
 `gpu_layers.handoff`):
-1. the host `arm(num_tokens, num_layers)`s the worker, then replays the graph;
+1. the host `arm(num_tokens, num_layers)`s the worker (a job on the `AsyncExperts` thread, the one that runs every
+   CPU-expert kernel), then replays the graph;
 2. for each MoE layer the graph copies hidden [T, H], topk_ids [T, K] and topk_weights [T, K] into the fixed
    pinned buffers, then stores layer + 1 into the request flag;
 3. the worker, spinning on that flag without the GIL (`spin_until_nonzero`), clears it, runs `compute` on the
@@ -21,6 +22,7 @@ device-side wait that timed out, a dead worker).
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 import time
 
@@ -29,8 +31,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from cpu_experts.executor import Compute, CpuExpertsError, _ExpertsBase
-from cpu_experts.topology import pin_current_thread, use_kernel_threads
+from cpu_experts.executor import AsyncExperts, CpuExpertsError, _ExpertsBase
 
 # int32 slots of the flags tensor: request and done on separate 64-byte lines
 REQUEST, DONE = 0, 16
@@ -61,24 +62,22 @@ def spin_until_nonzero(address: int, max_spins: int) -> int:
 
 
 class FlagWorker(_ExpertsBase):
-    """Pinned staging buffers ([max_tokens, ...], as `AsyncExperts`) and flags, served by a daemon thread."""
+    """Pinned staging buffers ([max_tokens, ...], as `AsyncExperts`) and flags, served on `executor`'s thread (the
+    one that launches every CPU-expert kernel, `AsyncExperts.call_soon`) with `executor`'s compute."""
 
-    def __init__(self, compute: Compute, max_tokens: int, hidden_size: int, top_k: int,
-                 dtype: torch.dtype = torch.float32, pin_memory: bool | None = None,
-                 worker_cpus: tuple[int, ...] | None = None, num_threads: int | None = None):
-        super().__init__(compute, max_tokens, hidden_size, top_k, dtype, pin_memory)
+    def __init__(self, executor: AsyncExperts, max_tokens: int, pin_memory: bool | None = None):
+        super().__init__(executor.compute, max_tokens, executor.hidden_size, executor.top_k, executor.dtype,
+                         pin_memory)
+        self.executor = executor
         self.flags = torch.zeros(32, dtype=torch.int32, pin_memory=self.pin_memory)
-        self.worker_cpus, self.num_threads = worker_cpus, num_threads
-        self._wake = threading.Condition()
-        self._job: tuple[int, int] | None = None  # (T, layers) of the armed step, guarded by _wake
+        self._request = ctypes.c_int32.from_address(self.flag_address(REQUEST))
+        self._done = ctypes.c_int32.from_address(self.flag_address(DONE))
         self._step_done = threading.Event()
         self._step_done.set()
         self._stop = False
         self._served = 0
         self._expected = 0
         self.compute_seconds = 0.0  # of the last step, for benchmarks' breakdowns
-        self._thread = threading.Thread(target=self._worker, name="cpu-experts-graph", daemon=True)
-        self._thread.start()
 
     def flag_address(self, slot: int) -> int:
         return self.flags.data_ptr() + slot * self.flags.element_size()
@@ -87,64 +86,47 @@ class FlagWorker(_ExpertsBase):
         """Serve the next `num_layers` requests over the first `num_tokens` rows of the buffers."""
         if not 1 <= num_tokens <= self.max_tokens:
             raise ValueError(f"num_tokens must be in [1, {self.max_tokens}], got {num_tokens}")
-        if not self._thread.is_alive():
-            raise CpuExpertsError("the CPU experts graph worker is not running")
         if not self._step_done.is_set():
             raise RuntimeError("arm() called while the previous step is still being served: call finish_step()")
+        self._served, self._expected, self._error = 0, num_layers, None
         self._step_done.clear()
-        with self._wake:
-            self._job, self._served, self._expected, self._error = (num_tokens, num_layers), 0, num_layers, None
-            self._wake.notify()
+        try:
+            self.executor.call_soon(functools.partial(self._serve, num_tokens, num_layers))
+        except BaseException:
+            self._step_done.set()
+            raise
 
     def finish_step(self, timeout: float = 10.0) -> None:
         """After the host synchronised with the step's GPU work: raise if a layer failed or was not served."""
         if not self._step_done.wait(timeout):
             served, expected = self._served, self._expected
-            self._stop_serving()
+            self._expected = served  # abandon the step: the serving loop ends within a spin call
+            self.flags.zero_()
             raise CpuExpertsError(f"CPU experts served {served} of {expected} MoE layers of the step (a "
                                   f"device-side wait timed out, or the worker hung)")
         if self._error is not None:
             error, self._error = self._error, None
             raise CpuExpertsError(f"CPU experts failed: {type(error).__name__}: {error}") from error
 
-    def close(self, timeout: float | None = 5.0) -> None:
+    def close(self) -> None:
+        """Ends a step being served; the executor's thread itself belongs to the executor."""
         self._stop = True
-        with self._wake:
-            self._wake.notify()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout)
 
-    def _stop_serving(self) -> None:
-        """Abandon the armed step (its device side timed out); the worker waits for the next arm."""
-        with self._wake:
-            self._job = None
-            self._expected = self._served
-        self.flags.zero_()
-
-    def _worker(self) -> None:
-        pin_current_thread(self.worker_cpus)
-        use_kernel_threads(self.num_threads)
-        request = ctypes.c_int32.from_address(self.flag_address(REQUEST))
-        done = ctypes.c_int32.from_address(self.flag_address(DONE))
-        while True:
-            with self._wake:
-                self._wake.wait_for(lambda: self._job is not None or self._stop)
-                if self._stop:
-                    return
-                num_tokens, num_layers = self._job
-                self._job = None
-            self.compute_seconds = 0.0
+    def _serve(self, num_tokens: int, num_layers: int) -> None:
+        self.compute_seconds = 0.0
+        try:
             while self._served < min(num_layers, self._expected) and not self._stop:
                 value = spin_until_nonzero(self.flag_address(REQUEST), _SPINS_PER_CALL)
                 if value == 0:
                     continue
-                request.value = 0
+                self._request.value = 0
                 start = time.perf_counter()
                 try:
                     self._run(value - 1, num_tokens)
                 except Exception as exc:  # reported by finish_step; done is still posted so the GPU moves on
                     self._error = self._error or exc
                 self.compute_seconds += time.perf_counter() - start
-                done.value = value
+                self._done.value = value
                 self._served += 1
+        finally:
             self._step_done.set()

@@ -46,8 +46,9 @@ def converted_model(args) -> Path:
 
 
 def timed_cpu_experts(llm: LLM) -> list[float]:
-    """Wraps every CpuExperts' compute to add its seconds to the returned list's only element."""
-    total = [0.0]
+    """Wraps every CpuExperts' compute to add its seconds to element 0 of the returned list and count its calls
+    in element 1."""
+    total = [0.0, 0]
     for module in llm.model.modules():
         if isinstance(module, CpuExperts):
             compute = module.compute
@@ -56,9 +57,27 @@ def timed_cpu_experts(llm: LLM) -> list[float]:
                 start = time.perf_counter()
                 _compute(*args)
                 total[0] += time.perf_counter() - start
+                total[1] += 1
 
             module.compute = timed
     return total
+
+
+def hot_call_seconds(llm: LLM, engine: Engine, num_tokens: int, repeats: int = 50) -> float | None:
+    """The median time of the first layer's CPU-experts call on the last staged decode inputs, repeated back to
+    back: the kernels' own speed with warm threads (and the layer's weights partly in cache), to set against the
+    in-engine time per call, which pays the threads' wake-up after each GPU stretch."""
+    module = next((m for m in llm.model.modules() if isinstance(m, CpuExperts) and m.op is not None), None)
+    source = engine.graph_runner.worker if engine.graph_runner is not None else llm.cpu_executor
+    if module is None or source is None:
+        return None
+    inputs = [b[:num_tokens].clone() for b in (source.hidden_buffer, source.ids_buffer, source.weights_buffer)]
+    times = []
+    for _ in range(repeats + 5):
+        start = time.perf_counter()
+        module.op(*inputs)
+        times.append(time.perf_counter() - start)
+    return sorted(times[5:])[repeats // 2]
 
 
 def expert_bytes_per_step(llm: LLM, num_tokens: int) -> float:
@@ -75,7 +94,7 @@ def expert_bytes_per_step(llm: LLM, num_tokens: int) -> float:
 
 def _time_steps(engine: Engine, cpu_seconds: list[float]) -> tuple[float, int, float]:
     """Runs the engine dry; (wall seconds, steps, CPU-experts seconds)."""
-    cpu_seconds[0], steps, start = 0.0, 0, time.perf_counter()
+    cpu_seconds[0], cpu_seconds[1], steps, start = 0.0, 0, 0, time.perf_counter()
     while engine.has_work():
         engine.step()
         steps += 1
@@ -143,10 +162,12 @@ def run(args) -> dict:
     if args.mode == "prefill":
         engine.add_request(torch.randint(vocab, (args.tokens,)).tolist(), max_tokens=1, ignore_eos=True)
         seconds, steps, cpu = _time_steps(engine, cpu_seconds)
-        tokens, gpu_only_s = args.tokens, None
+        tokens, gpu_only_s, calls, hot_s = args.tokens, None, 0, None
     else:
         prompts = [torch.randint(vocab, (16,)).tolist() for _ in range(args.batch)]
         seconds, steps, cpu, tokens = _decode(engine, prompts, args.tokens + 1, cpu_seconds)
+        calls = cpu_seconds[1]
+        hot_s = hot_call_seconds(llm, engine, args.batch)
         gpu_only_s = gpu_only_step_seconds(engine, llm, prompts, args.tokens + 1, cpu_seconds)
     engine.close()
     kl = deferral_kl(llm)
@@ -163,6 +184,8 @@ def run(args) -> dict:
             "cuda_graph": engine.graph_runner is not None, "gpu_experts": llm.num_gpu_experts,
             "tokens_per_s": tokens / seconds, "step_ms": step_s * 1e3, "cpu_experts_ms": cpu_s * 1e3,
             "gpu_only_ms": None if gpu_only_s is None else gpu_only_s * 1e3,
+            "cpu_call_ms": cpu / calls * 1e3 if calls else None,
+            "cpu_call_hot_ms": None if hot_s is None else hot_s * 1e3,
             "not_cpu_ms": (step_s - cpu_s) * 1e3, "read_gb_s": read_bw / 1e9, "bound_ms": bound_s * 1e3,
             "of_bound": bound_s / step_s, "defer_experts": config.defer_experts, "deferral_kl": kl}
 
@@ -190,6 +213,9 @@ def main(argv: list[str], mode: str) -> int:
           f"{row['gpu_experts']}: {row['tokens_per_s']:.1f} tokens/s, step {row['step_ms']:.2f} ms (CPU experts "
           f"{row['cpu_experts_ms']:.2f}, rest {row['not_cpu_ms']:.2f}{gpu}); bound {row['bound_ms']:.2f} ms at "
           f"{row['read_gb_s']:.1f} GB/s read: {row['of_bound']:.0%} of it")
+    if row["cpu_call_ms"] is not None and row["cpu_call_hot_ms"] is not None:
+        print(f"CPU experts per call: {row['cpu_call_ms']:.3f} ms in the engine, {row['cpu_call_hot_ms']:.3f} ms "
+              f"repeated back to back")
     if row["deferral_kl"] is not None:
         print(f"defer_experts {row['defer_experts']}: KL(exact || deferred) {row['deferral_kl']:.2e} nats/token")
     return 0

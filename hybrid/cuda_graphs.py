@@ -89,8 +89,7 @@ class CudaGraphRunner:
         self.worker = self.handoff = None
         if self.cpu_modules:
             executor = llm.cpu_executor
-            self.worker = FlagWorker(executor.compute, n, executor.hidden_size, executor.top_k, executor.dtype,
-                                     num_threads=executor.num_threads)
+            self.worker = FlagWorker(executor, n)
             self.handoff = GraphHandoff(self.worker, self.device)
         # CPU requests per step: one per MoE layer, two where the layer defers experts to the next one
         self.num_requests = sum(1 + m.is_deferring for m in self.model.modules()

@@ -4,9 +4,10 @@ schedule -> run -> update:
 1. schedule (`hybrid.scheduler`): which requests run and how many of their tokens (decodes and prefill chunks mixed
    under one token budget, prefix-cached pages reused, newest preempted when pages run out);
 2. run: one `ForwardBatch` over all scheduled chunks, one forward pass, logits only for the chunks that end at a
-   request's last token;
-3. update: sample (per request's parameters and penalties), append, finish on a stop token or max_tokens, free the
-   pages of finished requests, publish full pages to the prefix cache.
+   request's last token; on CUDA a step of single-token chunks replays a captured graph (`hybrid.cuda_graphs`);
+3. update: sample every row at once on the device (`hybrid.sampling.sample_batch`: each request's parameters,
+   penalties and seed; one transfer to the host), append, finish on a stop token or max_tokens, free the pages of
+   finished requests, publish full pages to the prefix cache.
 
 `Engine` takes an `LLM` (the model, its KV cache and its config); the block manager replaces the LLM's simple
 allocator for the pages the engine hands out. The CPU path runs this same loop.

@@ -141,3 +141,27 @@ def test_unreadable_config(tmp_path):
         load_model_config(tmp_path)
     with pytest.raises(ConfigError, match="no config.json"):
         load_model_config(tmp_path / "missing")
+
+
+def test_engine_flags_generated_from_engine_config():
+    """The engine's CLI comes from EngineConfig: `--gpu-experts` takes a count or 'auto', booleans get --no-,
+    and validation names the field to change."""
+    import argparse
+
+    from hybrid.cli_args import add_arguments, from_namespace
+    from hybrid.engine_config import EngineConfig
+    from hybrid.errors import ConfigError
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, EngineConfig)
+    parse = lambda *argv: from_namespace(EngineConfig, parser.parse_args(list(argv)))  # noqa: E731
+    assert parse().gpu_experts == 0 and parse().cuda_graph
+    assert parse("--gpu-experts", "auto").gpu_experts == "auto"
+    assert parse("--gpu-experts", "16", "--no-cuda-graph", "--defer-experts", "2").gpu_experts == 16
+    assert not parse("--no-cuda-graph").cuda_graph
+    with pytest.raises(ConfigError, match="gpu_experts must be a count >= 0 or 'auto', got 'most'"):
+        parse("--gpu-experts", "most")
+    with pytest.raises(ConfigError, match="defer_experts must be >= 0"):
+        parse("--defer-experts", "-1")
+    with pytest.raises(ConfigError, match="kv_cache_tokens must be >= 1"):
+        parse("--kv-cache-tokens", "0")

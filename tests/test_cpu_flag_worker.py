@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from cpu_experts.executor import CpuExpertsError
+from cpu_experts.executor import AsyncExperts, CpuExpertsError
 from cpu_experts.flag_worker import DONE, REQUEST, FlagWorker, spin_until_nonzero
 
 HIDDEN, TOP_K = 6, 2
@@ -40,11 +40,17 @@ def play_gpu(worker: FlagWorker, layers: list[int], hidden: torch.Tensor, ids: t
     return outputs
 
 
+def make_worker(fn=compute, max_tokens=4) -> FlagWorker:
+    executor = AsyncExperts(fn, max_tokens=8, hidden_size=HIDDEN, top_k=TOP_K, pin_memory=False)
+    return FlagWorker(executor, max_tokens=max_tokens, pin_memory=False)
+
+
 @pytest.fixture
 def worker():
-    w = FlagWorker(compute, max_tokens=4, hidden_size=HIDDEN, top_k=TOP_K, pin_memory=False)
+    w = make_worker()
     yield w
     w.close()
+    w.executor.close()
 
 
 def inputs(num_tokens: int):
@@ -92,7 +98,7 @@ def test_compute_error_reported_then_next_step_works():
             raise ValueError("bad expert weights")
         compute(layer, *args)
 
-    w = FlagWorker(flaky, max_tokens=2, hidden_size=HIDDEN, top_k=TOP_K, pin_memory=False)
+    w = make_worker(flaky, max_tokens=2)
     try:
         hidden, ids, weights = inputs(2)
         w.arm(2, 3)
@@ -106,6 +112,27 @@ def test_compute_error_reported_then_next_step_works():
         torch.testing.assert_close(outputs[1], expected(2, hidden, ids, weights))
     finally:
         w.close()
+        w.executor.close()
+
+
+def test_one_thread_launches_every_kernel(worker):
+    """Submits and graph steps run compute on the executor's one thread (one OpenMP pool of kernel threads)."""
+    threads = set()
+    executor = worker.executor
+    plain = executor.compute
+
+    def recording(*args):
+        threads.add(threading.get_ident())
+        plain(*args)
+
+    executor.compute = worker.compute = recording
+    hidden, ids, weights = inputs(2)
+    executor.submit(3, hidden, ids, weights)
+    executor.sync()
+    worker.arm(2, 2)
+    play_gpu(worker, [0, 1], hidden, ids, weights)
+    worker.finish_step()
+    assert len(threads) == 1 and threading.get_ident() not in threads
 
 
 def test_layer_never_posted_times_out_then_next_step_works(worker):
