@@ -10,11 +10,11 @@ decode step with few tokens still spreads over several programs.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from gpu_layers.capability import CAPABILITIES, GateCase, capability_of, select
+from gpu_layers.reference import silu_and_mul as silu_and_mul_reference  # noqa: F401 (the kernel's reference)
 
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
@@ -37,11 +37,6 @@ def silu_and_mul_kernel(gate_up_ptr, out_ptr, in_row_stride, out_row_stride, int
     # silu rounded to the dtype, then the product rounded again (float32 math, as the interpreter lacks bf16's).
     silu = (gate_f / (1.0 + tl.exp(-gate_f))).to(gate.dtype).to(tl.float32)
     tl.store(out_ptr + row * out_row_stride + cols, (silu * up.to(tl.float32)).to(gate.dtype), mask=mask)
-
-
-def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
 
 
 def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from gpu_layers.capability import CAPABILITIES, GateCase, capability_of, select
+from gpu_layers.reference import rms_norm as rms_norm_reference  # noqa: F401 (the kernel's reference)
 
 MIN_BLOCK, MAX_BLOCK = 64, 8192
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -50,19 +51,6 @@ def rms_norm_kernel(
     normed = (xf * inv_rms).to(x.dtype).to(tl.float32)
     weight = tl.load(weight_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
     tl.store(out_ptr + rows * out_row_stride + cols, (normed * weight).to(x.dtype), mask=mask)
-
-
-def rms_norm_reference(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-) -> torch.Tensor:
-    """hybrid/layers/norm.py's rms_norm; with residual, the fused add first (residual updated in place)."""
-    if residual is not None:
-        residual.copy_(x + residual)
-        x = residual
-    dtype = x.dtype
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(dtype)
 
 
 def block_for(hidden: int) -> int:

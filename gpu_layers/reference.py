@@ -1,9 +1,52 @@
-"""Plain-PyTorch references for paged attention (GQA and MLA). Slow and simple on purpose: these are the test
-oracle for the kernels and the CPU path of the runtime."""
+"""Plain-PyTorch references for the kernels: dense ops (RMSNorm, rotary, SiLU-and-mul), routers and paged attention
+(GQA and MLA). Slow and simple on purpose: these are the test oracle for the kernels and the CPU path of the
+runtime (`hybrid.layers.ops.TORCH_OPS`)."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [N, D] -> [N, D]: normalised in float32, cast back, times the weight (as the checkpoints were trained);
+    with residual, the fused add first (residual updated in place)."""
+    if residual is not None:
+        residual.copy_(x + residual)
+        x = residual
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def rotary(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor, attention_factor: float,
+    is_interleaved: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotates the leading 2 * len(inv_freq) dims of q [T, Hq, D] and k [T, Hk, D] in place and returns them.
+    Interleaved input pairs (2i, 2i+1) come out as halves (evens, then odds); q and k get the same permutation, so
+    their dot products, and the attention, are unchanged."""
+    freqs = positions[:, None].float() * inv_freq  # [T, R / 2]
+    cos, sin = freqs.cos() * attention_factor, freqs.sin() * attention_factor
+    rotary_dim = 2 * inv_freq.shape[0]
+    for x in (q, k):
+        rot = x[..., :rotary_dim]
+        cos_x, sin_x = cos.unsqueeze(-2).to(x.dtype), sin.unsqueeze(-2).to(x.dtype)  # [T, 1, R / 2]
+        if is_interleaved:
+            x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        else:
+            x1, x2 = rot[..., : rotary_dim // 2], rot[..., rotary_dim // 2 :]
+        rot.copy_(torch.cat((x1 * cos_x - x2 * sin_x, x2 * cos_x + x1 * sin_x), dim=-1))
+    return q, k
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2I] -> silu(gate) * up [T, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def write_kv_cache(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:

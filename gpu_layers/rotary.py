@@ -6,7 +6,7 @@ untouched). cos/sin = cos/sin(position * inv_freq) * attention_factor, computed 
 YaRN arrive through inv_freq and attention_factor (hybrid/layers/rotary.py `rope_inv_freq`), and there is no
 table to outgrow.
 
-The convention is hybrid/layers/rotary.py's `apply_rotary`: with is_interleaved, the input pairs (2i, 2i+1) come
+The convention is `gpu_layers.reference.rotary`'s: with is_interleaved, the input pairs (2i, 2i+1) come
 out as halves (evens then odds); q and k get the same permutation, so attention is unchanged. cos/sin are cast to
 the activation dtype and each product is rounded there, as in the reference.
 
@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from gpu_layers.capability import CAPABILITIES, GateCase, capability_of, select
+from gpu_layers.reference import rotary as rotary_reference  # noqa: F401 (the kernel's reference)
 
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 HALF_BLOCKS = (16, 32, 64, 128)  # BLOCK_HALF = next_power_of_2(R / 2): rotary dims up to 256
@@ -86,25 +87,6 @@ def rotary_kernel(
     tl.debug_barrier()
     tl.store(base + pairs[None, :], out1.to(dtype), mask=mask)
     tl.store(base + half_rotary + pairs[None, :], out2.to(dtype), mask=mask)
-
-
-def rotary_reference(
-    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor, attention_factor: float,
-    is_interleaved: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """hybrid/layers/rotary.py's cos_sin + apply_rotary, written back into q and k."""
-    freqs = positions[:, None].float() * inv_freq  # [T, R / 2]
-    cos, sin = freqs.cos() * attention_factor, freqs.sin() * attention_factor
-    rotary_dim = 2 * inv_freq.shape[0]
-    for x in (q, k):
-        rot = x[..., :rotary_dim]
-        cos_x, sin_x = cos.unsqueeze(-2).to(x.dtype), sin.unsqueeze(-2).to(x.dtype)  # [T, 1, R / 2]
-        if is_interleaved:
-            x1, x2 = rot[..., 0::2], rot[..., 1::2]
-        else:
-            x1, x2 = rot[..., : rotary_dim // 2], rot[..., rotary_dim // 2 :]
-        rot.copy_(torch.cat((x1 * cos_x - x2 * sin_x, x2 * cos_x + x1 * sin_x), dim=-1))
-    return q, k
 
 
 def _check_heads(name: str, x: torch.Tensor, like: torch.Tensor, rotary_dim: int) -> None:

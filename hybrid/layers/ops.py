@@ -1,11 +1,11 @@
 """The dense operations of the layers, as one table of functions chosen once at start-up: plain PyTorch (the CPU
-path and the reference; `gpu_layers.reference` and the functions in these layer files) or the Triton kernels of
-`gpu_layers` (the GPU path). Layers hold the table they were built with and never ask where they run.
+path: the kernels' references in `gpu_layers.reference`) or the Triton kernels of `gpu_layers` (the GPU path).
+Layers hold the table they were built with and never ask where they run.
 
 Each entry takes plain tensors:
 - rms_norm(x [N, D], weight [D], eps) -> [N, D]
 - rotary(positions [T], q [T, Hq, D], k [T, Hk, D], inv_freq [R / 2], attention_factor, is_interleaved) -> (q, k)
-  (the Triton kernel rotates in place and returns the same tensors)
+  (both rotate in place and return the same tensors)
 - silu_and_mul(gate_up [T, 2I]) -> [T, I]
 - softmax_topk / grouped_topk: as `gpu_layers.reference` (weights float32 [T, K], ids [T, K])
 """
@@ -16,7 +16,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from gpu_layers import reference
 
@@ -36,43 +35,7 @@ class DenseOps:
         return self.name != "torch"
 
 
-def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """In float32 and cast back, then times the weight, as the reference checkpoints were trained."""
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
-
-
-def torch_rotary(positions, q, k, inv_freq, attention_factor, is_interleaved):
-    freqs = positions[:, None].float() * inv_freq  # [T, rotary_dim / 2]
-    cos, sin = freqs.cos() * attention_factor, freqs.sin() * attention_factor
-    return apply_rotary(q, cos, sin, is_interleaved), apply_rotary(k, cos, sin, is_interleaved)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_interleaved: bool) -> torch.Tensor:
-    """Rotates the leading cos.shape[-1] * 2 dims of x [T, heads, D]; cos/sin are [T, rotary_dim / 2].
-
-    Interleaved input pairs come out as halves (evens then odds); q and k get the same permutation, so their
-    dot products, and the attention, are unchanged.
-    """
-    rotary_dim = cos.shape[-1] * 2
-    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
-    cos, sin = cos.unsqueeze(-2).to(x.dtype), sin.unsqueeze(-2).to(x.dtype)  # [T, 1, rotary_dim / 2]
-    if is_interleaved:
-        x1, x2 = rot[..., 0::2], rot[..., 1::2]
-    else:
-        x1, x2 = rot[..., : rotary_dim // 2], rot[..., rotary_dim // 2 :]
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
-
-
-def torch_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-TORCH_OPS = DenseOps("torch", torch_rms_norm, torch_rotary, torch_silu_and_mul, reference.softmax_topk,
+TORCH_OPS = DenseOps("torch", reference.rms_norm, reference.rotary, reference.silu_and_mul, reference.softmax_topk,
                      reference.grouped_topk)
 
 

@@ -65,5 +65,5 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq = rope_inv_freq(self.rope)[0].to(self.inv_freq.device)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, Hq, D], k [T, Hk, D] -> rotated (see `ops.apply_rotary` for the interleaved convention)."""
+        """q [T, Hq, D], k [T, Hk, D] -> rotated (see `gpu_layers.reference.rotary` for the interleaved convention)."""
         return self.ops.rotary(positions, q, k, self.inv_freq, self.attention_factor, self.is_interleaved)
