@@ -92,23 +92,26 @@ def expert_bytes_per_step(llm: LLM, num_tokens: int) -> float:
                for m in llm.model.modules() if isinstance(m, CpuExperts))
 
 
-def _time_steps(engine: Engine, cpu_seconds: list[float]) -> tuple[float, int, float]:
-    """Runs the engine dry; (wall seconds, steps, CPU-experts seconds)."""
-    cpu_seconds[0], cpu_seconds[1], steps, start = 0.0, 0, 0, time.perf_counter()
+def _time_steps(engine: Engine, cpu_seconds: list[float]) -> tuple[float, list[float], float]:
+    """Runs the engine dry; (wall seconds, each step's seconds, CPU-experts seconds). The spread of the steps tells
+    a few slow ones apart from uniformly slow ones."""
+    cpu_seconds[0], cpu_seconds[1], start = 0.0, 0, time.perf_counter()
+    step_seconds = []
     while engine.has_work():
+        step_start = time.perf_counter()
         engine.step()
-        steps += 1
+        step_seconds.append(time.perf_counter() - step_start)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    return time.perf_counter() - start, steps, cpu_seconds[0]
+    return time.perf_counter() - start, step_seconds, cpu_seconds[0]
 
 
 def _decode(engine: Engine, prompts: list[list[int]], new_tokens: int, cpu_seconds: list[float]):
     ids = [engine.add_request(p, max_tokens=new_tokens, ignore_eos=True) for p in prompts]
     engine.step()  # the prompts: not part of the decode timing
-    seconds, steps, cpu = _time_steps(engine, cpu_seconds)
+    seconds, step_seconds, cpu = _time_steps(engine, cpu_seconds)
     tokens = sum(len(engine.requests.pop(i).output_ids) for i in ids) - len(ids)
-    return seconds, steps, cpu, tokens
+    return seconds, step_seconds, cpu, tokens
 
 
 def gpu_only_step_seconds(engine: Engine, llm: LLM, prompts, new_tokens: int, cpu_seconds) -> float | None:
@@ -121,11 +124,11 @@ def gpu_only_step_seconds(engine: Engine, llm: LLM, prompts, new_tokens: int, cp
     for m in modules:
         m.compute = lambda hidden, ids, weights, out: out.zero_()
     try:
-        seconds, steps, _, _ = _decode(engine, prompts, new_tokens, cpu_seconds)
+        seconds, step_seconds, _, _ = _decode(engine, prompts, new_tokens, cpu_seconds)
     finally:
         for m, compute in zip(modules, saved, strict=True):
             m.compute = compute
-    return seconds / max(steps, 1)
+    return seconds / max(len(step_seconds), 1)
 
 
 def deferral_kl(llm: LLM, num_tokens: int = 256) -> float | None:
@@ -161,11 +164,14 @@ def run(args) -> dict:
         engine.generate([torch.randint(vocab, (8,)).tolist()] * args.batch, max_tokens=3, ignore_eos=True)
     if args.mode == "prefill":
         engine.add_request(torch.randint(vocab, (args.tokens,)).tolist(), max_tokens=1, ignore_eos=True)
-        seconds, steps, cpu = _time_steps(engine, cpu_seconds)
+        seconds, step_seconds, cpu = _time_steps(engine, cpu_seconds)
         tokens, gpu_only_s, calls, hot_s = args.tokens, None, 0, None
+        graph_steps = 0
     else:
         prompts = [torch.randint(vocab, (16,)).tolist() for _ in range(args.batch)]
-        seconds, steps, cpu, tokens = _decode(engine, prompts, args.tokens + 1, cpu_seconds)
+        replays = engine.graph_runner.num_replays if engine.graph_runner is not None else 0
+        seconds, step_seconds, cpu, tokens = _decode(engine, prompts, args.tokens + 1, cpu_seconds)
+        graph_steps = (engine.graph_runner.num_replays - replays) if engine.graph_runner is not None else 0
         calls = cpu_seconds[1]
         hot_s = hot_call_seconds(llm, engine, args.batch)
         gpu_only_s = gpu_only_step_seconds(engine, llm, prompts, args.tokens + 1, cpu_seconds)
@@ -173,6 +179,7 @@ def run(args) -> dict:
     kl = deferral_kl(llm)
     llm.close()
     read_bw = ReadBandwidth(max(8 * last_level_cache_bytes(), 1 << 30))()
+    steps, step_times = len(step_seconds), sorted(step_seconds)
     step_s = seconds / max(steps, 1)
     cpu_s = cpu / max(steps, 1)
     # Not overlapped with the CPU experts: on CUDA the step's GPU time (measured with the experts answering at
@@ -182,7 +189,9 @@ def run(args) -> dict:
     bound_s = expert_bytes_per_step(llm, routed_tokens) / read_bw + exposed_s
     return {"mode": args.mode, "model": str(path), "device": config.device, "batch": args.batch,
             "cuda_graph": engine.graph_runner is not None, "gpu_experts": llm.num_gpu_experts,
-            "tokens_per_s": tokens / seconds, "step_ms": step_s * 1e3, "cpu_experts_ms": cpu_s * 1e3,
+            "tokens_per_s": tokens / seconds, "step_ms": step_s * 1e3, "steps": steps, "graph_steps": graph_steps,
+            "step_p50_ms": step_times[len(step_times) // 2] * 1e3, "step_max_ms": step_times[-1] * 1e3,
+            "cpu_experts_ms": cpu_s * 1e3,
             "gpu_only_ms": None if gpu_only_s is None else gpu_only_s * 1e3,
             "cpu_call_ms": cpu / calls * 1e3 if calls else None,
             "cpu_call_hot_ms": None if hot_s is None else hot_s * 1e3,
@@ -213,6 +222,8 @@ def main(argv: list[str], mode: str) -> int:
           f"{row['gpu_experts']}: {row['tokens_per_s']:.1f} tokens/s, step {row['step_ms']:.2f} ms (CPU experts "
           f"{row['cpu_experts_ms']:.2f}, rest {row['not_cpu_ms']:.2f}{gpu}); bound {row['bound_ms']:.2f} ms at "
           f"{row['read_gb_s']:.1f} GB/s read: {row['of_bound']:.0%} of it")
+    print(f"{row['steps']} steps ({row['graph_steps']} replayed as graphs): median {row['step_p50_ms']:.2f} ms, "
+          f"slowest {row['step_max_ms']:.2f} ms")
     if row["cpu_call_ms"] is not None and row["cpu_call_hot_ms"] is not None:
         print(f"CPU experts per call: {row['cpu_call_ms']:.3f} ms in the engine, {row['cpu_call_hot_ms']:.3f} ms "
               f"repeated back to back")

@@ -97,6 +97,7 @@ class CudaGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self._armed = False
+        self.num_replays = 0
 
     def can_run(self, num_seqs: int) -> bool:
         return num_seqs <= self.buckets[-1]
@@ -157,6 +158,7 @@ class CudaGraphRunner:
         self._fill(seqs, input_ids, size)
         self._arm(size)
         self.graphs[size].replay()
+        self.num_replays += 1
         return self.logits[size][:num_seqs]
 
     @torch.inference_mode()
