@@ -89,6 +89,7 @@ class LLM:
         for module in self.model.modules():
             if hasattr(module, "fuse_gate_up"):
                 module.fuse_gate_up()  # the kernels' stacked gate/up layout (MLPs: only when the ops use it)
+        self.streamed_experts = streamed
         self.num_pinned_bytes = sum(m.pin_weights() for m in streamed)
         self.routing_recorder: RoutingRecorder | None = None
         if cfg.record_routing:
@@ -112,11 +113,14 @@ class LLM:
         return self.routing_recorder
 
     def close(self) -> None:
-        """Writes the routing statistics (`record_routing=FILE`) and stops the CPU experts' executor."""
+        """Writes the routing statistics (`record_routing=FILE`), stops the CPU experts' executor and unpins the
+        streamed experts' weights."""
         if self.routing_recorder is not None and self.engine_config.record_routing:
             self.routing_recorder.stats().write(self.engine_config.record_routing)
         if self.cpu_executor is not None:
             self.cpu_executor.close()
+        for module in self.streamed_experts:
+            module.unpin_weights()
 
     def _resolve_gpu_experts(self, cls: type[MoECausalLM], num_blocks: int) -> int:
         """`gpu_experts` as a count: "auto" fills the device memory left after the dense weights, the KV cache and

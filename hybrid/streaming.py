@@ -48,6 +48,7 @@ class StreamedExperts(nn.Module):
         self.min_tokens = min_tokens
         self.device = torch.device(device)
         self._out: torch.Tensor | None = None
+        self._pinned: list[np.ndarray] = []
 
     @property
     def is_async(self) -> bool:
@@ -66,7 +67,14 @@ class StreamedExperts(nn.Module):
             return 0
         arrays = [a for p in self.cpu_experts.op.layer.partitions
                   for a in (p.gate, p.up, p.down, p.gate_scales, p.up_scales, p.down_scales) if a is not None]
-        return sum(a.nbytes for a in arrays if pin(a))
+        self._pinned = [a for a in arrays if pin(a)]
+        return sum(a.nbytes for a in self._pinned)
+
+    def unpin_weights(self) -> None:
+        """Undoes `pin_weights` (before the arrays are freed, so the driver holds no stale registration)."""
+        for array in self._pinned:
+            torch.cuda.cudart().cudaHostUnregister(array.ctypes.data)
+        self._pinned = []
 
     def _uses_gpu(self, hidden: torch.Tensor) -> bool:
         return hidden.is_cuda and hidden.shape[0] >= self.min_tokens and self.is_streamable

@@ -69,3 +69,5 @@ def test_prefill_through_streamed_experts_matches_cpu_experts(source, tmp_path):
     ids = prompt(40, seed=2)
     got, want = streamed.prefill_logits(ids), cpu.prefill_logits(ids)
     assert float((got - want).norm() / want.norm()) < 2e-2
+    streamed.close()  # stops its executor and unpins the weights
+    cpu.close()
