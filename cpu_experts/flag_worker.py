@@ -77,7 +77,10 @@ class FlagWorker(_ExpertsBase):
         self._stop = False
         self._served = 0
         self._expected = 0
-        self.compute_seconds = 0.0  # of the last step, for benchmarks' breakdowns
+        # Totals over all steps, for benchmarks' breakdowns: the worker's time waiting for the GPU to reach a MoE
+        # layer (the GPU's work before and between them, plus the hand-off) and its time computing them.
+        self.wait_seconds = 0.0
+        self.compute_seconds = 0.0
 
     def flag_address(self, slot: int) -> int:
         return self.flags.data_ptr() + slot * self.flags.element_size()
@@ -113,7 +116,7 @@ class FlagWorker(_ExpertsBase):
         self._stop = True
 
     def _serve(self, num_tokens: int, num_layers: int) -> None:
-        self.compute_seconds = 0.0
+        waiting_since = time.perf_counter()
         try:
             while self._served < min(num_layers, self._expected) and not self._stop:
                 value = spin_until_nonzero(self.flag_address(REQUEST), _SPINS_PER_CALL)
@@ -121,11 +124,13 @@ class FlagWorker(_ExpertsBase):
                     continue
                 self._request.value = 0
                 start = time.perf_counter()
+                self.wait_seconds += start - waiting_since
                 try:
                     self._run(value - 1, num_tokens)
                 except Exception as exc:  # reported by finish_step; done is still posted so the GPU moves on
                     self._error = self._error or exc
-                self.compute_seconds += time.perf_counter() - start
+                waiting_since = time.perf_counter()
+                self.compute_seconds += waiting_since - start
                 self._done.value = value
                 self._served += 1
         finally:

@@ -166,12 +166,17 @@ def run(args) -> dict:
         engine.add_request(torch.randint(vocab, (args.tokens,)).tolist(), max_tokens=1, ignore_eos=True)
         seconds, step_seconds, cpu = _time_steps(engine, cpu_seconds)
         tokens, gpu_only_s, calls, hot_s = args.tokens, None, 0, None
-        graph_steps = 0
+        graph_steps, cpu_wait_s = 0, None
     else:
         prompts = [torch.randint(vocab, (16,)).tolist() for _ in range(args.batch)]
-        replays = engine.graph_runner.num_replays if engine.graph_runner is not None else 0
+        runner = engine.graph_runner
+        worker = runner.worker if runner is not None else None
+        replays, waited = (runner.num_replays if runner else 0), (worker.wait_seconds if worker else 0.0)
         seconds, step_seconds, cpu, tokens = _decode(engine, prompts, args.tokens + 1, cpu_seconds)
-        graph_steps = (engine.graph_runner.num_replays - replays) if engine.graph_runner is not None else 0
+        graph_steps = runner.num_replays - replays if runner is not None else 0
+        # In graph steps, the CPU's wait for the GPU to reach each MoE layer: the GPU's work before and between
+        # them plus the hand-off, measured on the CPU side of the flags
+        cpu_wait_s = (worker.wait_seconds - waited) / graph_steps if worker is not None and graph_steps else None
         calls = cpu_seconds[1]
         hot_s = hot_call_seconds(llm, engine, args.batch)
         gpu_only_s = gpu_only_step_seconds(engine, llm, prompts, args.tokens + 1, cpu_seconds)
@@ -191,7 +196,7 @@ def run(args) -> dict:
             "cuda_graph": engine.graph_runner is not None, "gpu_experts": llm.num_gpu_experts,
             "tokens_per_s": tokens / seconds, "step_ms": step_s * 1e3, "steps": steps, "graph_steps": graph_steps,
             "step_p50_ms": step_times[len(step_times) // 2] * 1e3, "step_max_ms": step_times[-1] * 1e3,
-            "cpu_experts_ms": cpu_s * 1e3,
+            "cpu_experts_ms": cpu_s * 1e3, "cpu_wait_ms": None if cpu_wait_s is None else cpu_wait_s * 1e3,
             "gpu_only_ms": None if gpu_only_s is None else gpu_only_s * 1e3,
             "cpu_call_ms": cpu / calls * 1e3 if calls else None,
             "cpu_call_hot_ms": None if hot_s is None else hot_s * 1e3,
@@ -224,6 +229,9 @@ def main(argv: list[str], mode: str) -> int:
           f"{row['read_gb_s']:.1f} GB/s read: {row['of_bound']:.0%} of it")
     print(f"{row['steps']} steps ({row['graph_steps']} replayed as graphs): median {row['step_p50_ms']:.2f} ms, "
           f"slowest {row['step_max_ms']:.2f} ms")
+    if row["cpu_wait_ms"] is not None:
+        print(f"per graph step, the CPU waited {row['cpu_wait_ms']:.2f} ms for the GPU to reach the MoE layers "
+              f"(GPU work before and between them, and the hand-off)")
     if row["cpu_call_ms"] is not None and row["cpu_call_hot_ms"] is not None:
         print(f"CPU experts per call: {row['cpu_call_ms']:.3f} ms in the engine, {row['cpu_call_hot_ms']:.3f} ms "
               f"repeated back to back")

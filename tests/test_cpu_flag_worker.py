@@ -115,6 +115,23 @@ def test_compute_error_reported_then_next_step_works():
         w.executor.close()
 
 
+def test_step_time_split_into_waiting_and_computing(worker):
+    """The worker's wait for the device to reach a layer and its compute time, summed over steps."""
+
+    def slow(layer, *args):
+        time.sleep(0.02)
+        compute(layer, *args)
+
+    worker.compute = slow
+    hidden, ids, weights = inputs(1)
+    worker.arm(1, 2)
+    time.sleep(0.05)  # the device's work before the first MoE layer
+    play_gpu(worker, [0, 1], hidden, ids, weights)
+    worker.finish_step()
+    assert worker.wait_seconds >= 0.05 and worker.compute_seconds >= 0.04
+    assert worker.wait_seconds < 0.5 and worker.compute_seconds < 0.5
+
+
 def test_one_thread_launches_every_kernel(worker):
     """Submits and graph steps run compute on the executor's one thread (one OpenMP pool of kernel threads)."""
     threads = set()
