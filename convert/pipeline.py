@@ -243,7 +243,7 @@ def _manifest(plan: Plan, options: ConvertOptions, quantizer, key: dict, entries
         "converter": f"hybrid-convert {version}",
         "key": key,
         "source": {"path": str(plan.source.resolve()), "architecture": config.architecture},
-        "model": {"num_layers": config.num_layers, "moe_layers": [i for i, m in enumerate(config.moe_layers) if m],
+        "model": {"num_layers": config.num_layers, "moe_layers": config.moe_layer_indices,
                   "num_experts": config.moe.num_experts, "hidden_size": config.hidden_size,
                   "moe_intermediate_size": config.moe.intermediate_size},
         "experts": {"dtype": options.expert_dtype, "group_size": options.expert_group_size,

@@ -37,6 +37,11 @@ class PartitionWeights:
     def size(self) -> int:
         return self.end - self.start
 
+    def arrays(self) -> list[np.ndarray]:
+        """The weight and scale arrays this partition holds (scales are absent for bf16)."""
+        return [a for a in (self.gate, self.up, self.down, self.gate_scales, self.up_scales, self.down_scales)
+                if a is not None]
+
 
 @dataclass
 class PackedLayer:
@@ -45,9 +50,7 @@ class PackedLayer:
 
     @property
     def nbytes(self) -> int:
-        arrays = [a for p in self.partitions for a in (p.gate, p.up, p.down, p.gate_scales, p.up_scales,
-                                                         p.down_scales) if a is not None]
-        return sum(a.nbytes for a in arrays)
+        return sum(a.nbytes for p in self.partitions for a in p.arrays())
 
     def expert_bytes(self) -> int:
         """Bytes of weights and scales one expert reads (all partitions)."""

@@ -14,6 +14,7 @@ import argparse
 import json
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -45,10 +46,20 @@ def converted_model(args) -> Path:
     return dst
 
 
-def timed_cpu_experts(llm: LLM) -> list[float]:
-    """Wraps every CpuExperts' compute to add its seconds to element 0 of the returned list and count its calls
-    in element 1."""
-    total = [0.0, 0]
+@dataclass
+class CpuExpertsTimer:
+    """Seconds and calls of every CpuExperts' compute since the last `reset` (`timed_cpu_experts` installs it)."""
+
+    seconds: float = 0.0
+    calls: int = 0
+
+    def reset(self) -> None:
+        self.seconds, self.calls = 0.0, 0
+
+
+def timed_cpu_experts(llm: LLM) -> CpuExpertsTimer:
+    """Wraps every CpuExperts' compute so that the returned timer adds up its seconds and calls."""
+    timer = CpuExpertsTimer()
     for module in llm.model.modules():
         if isinstance(module, CpuExperts):
             compute = module.compute
@@ -56,11 +67,11 @@ def timed_cpu_experts(llm: LLM) -> list[float]:
             def timed(*args, _compute=compute):
                 start = time.perf_counter()
                 _compute(*args)
-                total[0] += time.perf_counter() - start
-                total[1] += 1
+                timer.seconds += time.perf_counter() - start
+                timer.calls += 1
 
             module.compute = timed
-    return total
+    return timer
 
 
 def hot_call_seconds(llm: LLM, engine: Engine, num_tokens: int, repeats: int = 50) -> float | None:
@@ -92,29 +103,31 @@ def expert_bytes_per_step(llm: LLM, num_tokens: int) -> float:
                for m in llm.model.modules() if isinstance(m, CpuExperts))
 
 
-def _time_steps(engine: Engine, cpu_seconds: list[float]) -> tuple[float, list[float], float]:
-    """Runs the engine dry; (wall seconds, each step's seconds, CPU-experts seconds). The spread of the steps tells
-    a few slow ones apart from uniformly slow ones."""
-    cpu_seconds[0], cpu_seconds[1], start = 0.0, 0, time.perf_counter()
-    step_seconds = []
+def _time_steps(engine: Engine, timer: CpuExpertsTimer) -> tuple[float, list[float]]:
+    """Runs the engine dry, the timer counting from zero; (wall seconds, each step's seconds). The spread of the
+    steps tells a few slow ones apart from uniformly slow ones."""
+    timer.reset()
+    start, step_seconds = time.perf_counter(), []
     while engine.has_work():
         step_start = time.perf_counter()
         engine.step()
         step_seconds.append(time.perf_counter() - step_start)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    return time.perf_counter() - start, step_seconds, cpu_seconds[0]
+    return time.perf_counter() - start, step_seconds
 
 
-def _decode(engine: Engine, prompts: list[list[int]], new_tokens: int, cpu_seconds: list[float]):
+def _decode(engine: Engine, prompts: list[list[int]], new_tokens: int, timer: CpuExpertsTimer):
+    """(wall seconds, each step's seconds, decoded tokens) of the prompts' decode steps."""
     ids = [engine.add_request(p, max_tokens=new_tokens, ignore_eos=True) for p in prompts]
     engine.step()  # the prompts: not part of the decode timing
-    seconds, step_seconds, cpu = _time_steps(engine, cpu_seconds)
+    seconds, step_seconds = _time_steps(engine, timer)
     tokens = sum(len(engine.requests.pop(i).output_ids) for i in ids) - len(ids)
-    return seconds, step_seconds, cpu, tokens
+    return seconds, step_seconds, tokens
 
 
-def gpu_only_step_seconds(engine: Engine, llm: LLM, prompts, new_tokens: int, cpu_seconds) -> float | None:
+def gpu_only_step_seconds(engine: Engine, llm: LLM, prompts, new_tokens: int, timer: CpuExpertsTimer
+                          ) -> float | None:
     """The decode step with the CPU experts answering at once (zeros): the GPU's own time plus the hand-off's;
     None off CUDA."""
     if not llm.engine_config.is_cuda:
@@ -124,7 +137,7 @@ def gpu_only_step_seconds(engine: Engine, llm: LLM, prompts, new_tokens: int, cp
     for m in modules:
         m.compute = lambda hidden, ids, weights, out: out.zero_()
     try:
-        seconds, step_seconds, _, _ = _decode(engine, prompts, new_tokens, cpu_seconds)
+        seconds, step_seconds, _ = _decode(engine, prompts, new_tokens, timer)
     finally:
         for m, compute in zip(modules, saved, strict=True):
             m.compute = compute
@@ -149,6 +162,38 @@ def deferral_kl(llm: LLM, num_tokens: int = 256) -> float | None:
     return float((exact.exp() * (exact - deferred)).sum(dim=-1).mean())
 
 
+def _measure_decode(engine: Engine, llm: LLM, args, timer: CpuExpertsTimer) -> dict:
+    """Decode of `args.batch` short prompts: timings, graph replays, the CPU's wait in graph steps, the CPU-experts
+    call in the engine and repeated, and the GPU-alone step."""
+    vocab = llm.config.vocab_size
+    prompts = [torch.randint(vocab, (16,)).tolist() for _ in range(args.batch)]
+    runner = engine.graph_runner
+    worker = runner.worker if runner is not None else None
+    replays, waited = (runner.num_replays if runner else 0), (worker.wait_seconds if worker else 0.0)
+    seconds, step_seconds, tokens = _decode(engine, prompts, args.tokens + 1, timer)
+    cpu, calls = timer.seconds, timer.calls
+    graph_steps = runner.num_replays - replays if runner is not None else 0
+    # In graph steps, the CPU's wait for the GPU to reach each MoE layer: the GPU's work before and between them
+    # plus the hand-off, measured on the CPU side of the flags
+    cpu_wait_s = (worker.wait_seconds - waited) / graph_steps if worker is not None and graph_steps else None
+    hot_s = hot_call_seconds(llm, engine, args.batch)
+    gpu_only_s = gpu_only_step_seconds(engine, llm, prompts, args.tokens + 1, timer)
+    return dict(seconds=seconds, step_seconds=step_seconds, cpu=cpu, tokens=tokens, calls=calls, hot_s=hot_s,
+                gpu_only_s=gpu_only_s, graph_steps=graph_steps, cpu_wait_s=cpu_wait_s)
+
+
+def _measure_prefill(engine: Engine, llm: LLM, args, timer: CpuExpertsTimer) -> dict:
+    engine.add_request(torch.randint(llm.config.vocab_size, (args.tokens,)).tolist(), max_tokens=1,
+                       ignore_eos=True)
+    seconds, step_seconds = _time_steps(engine, timer)
+    return dict(seconds=seconds, step_seconds=step_seconds, cpu=timer.seconds, tokens=args.tokens, calls=0,
+                hot_s=None, gpu_only_s=None, graph_steps=0, cpu_wait_s=None)
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e3
+
+
 def run(args) -> dict:
     torch.manual_seed(0)
     if torch.device(args.device).type == "cuda":  # what LLM does, before the converter starts numba's pool
@@ -156,37 +201,20 @@ def run(args) -> dict:
     path = converted_model(args)
     config = from_namespace(EngineConfig, args, max_model_len=max(args.tokens + 64, 256))
     llm = LLM(path, config=config)
-    cpu_seconds = timed_cpu_experts(llm)
+    timer = timed_cpu_experts(llm)
     engine = Engine(llm, max_num_batched_tokens=min(llm.max_model_len, max(args.tokens, 64)),
                     max_num_seqs=max(args.batch, 1))
-    vocab = llm.config.vocab_size
     for _ in range(2):  # warm-up: compiles the kernels
-        engine.generate([torch.randint(vocab, (8,)).tolist()] * args.batch, max_tokens=3, ignore_eos=True)
-    if args.mode == "prefill":
-        engine.add_request(torch.randint(vocab, (args.tokens,)).tolist(), max_tokens=1, ignore_eos=True)
-        seconds, step_seconds, cpu = _time_steps(engine, cpu_seconds)
-        tokens, gpu_only_s, calls, hot_s = args.tokens, None, 0, None
-        graph_steps, cpu_wait_s = 0, None
-    else:
-        prompts = [torch.randint(vocab, (16,)).tolist() for _ in range(args.batch)]
-        runner = engine.graph_runner
-        worker = runner.worker if runner is not None else None
-        replays, waited = (runner.num_replays if runner else 0), (worker.wait_seconds if worker else 0.0)
-        seconds, step_seconds, cpu, tokens = _decode(engine, prompts, args.tokens + 1, cpu_seconds)
-        graph_steps = runner.num_replays - replays if runner is not None else 0
-        # In graph steps, the CPU's wait for the GPU to reach each MoE layer: the GPU's work before and between
-        # them plus the hand-off, measured on the CPU side of the flags
-        cpu_wait_s = (worker.wait_seconds - waited) / graph_steps if worker is not None and graph_steps else None
-        calls = cpu_seconds[1]
-        hot_s = hot_call_seconds(llm, engine, args.batch)
-        gpu_only_s = gpu_only_step_seconds(engine, llm, prompts, args.tokens + 1, cpu_seconds)
+        engine.generate([torch.randint(llm.config.vocab_size, (8,)).tolist()] * args.batch, max_tokens=3,
+                        ignore_eos=True)
+    m = (_measure_prefill if args.mode == "prefill" else _measure_decode)(engine, llm, args, timer)
     engine.close()
     kl = deferral_kl(llm)
     llm.close()
     read_bw = ReadBandwidth(max(8 * last_level_cache_bytes(), 1 << 30))()
-    steps, step_times = len(step_seconds), sorted(step_seconds)
-    step_s = seconds / max(steps, 1)
-    cpu_s = cpu / max(steps, 1)
+    steps, step_times = len(m["step_seconds"]), sorted(m["step_seconds"])
+    step_s, cpu_s = m["seconds"] / max(steps, 1), m["cpu"] / max(steps, 1)
+    gpu_only_s = m["gpu_only_s"]
     # Not overlapped with the CPU experts: on CUDA the step's GPU time (measured with the experts answering at
     # once, shared experts included, so the bound is a generous one), on the CPU everything else.
     exposed_s = gpu_only_s if gpu_only_s is not None else step_s - cpu_s
@@ -194,14 +222,13 @@ def run(args) -> dict:
     bound_s = expert_bytes_per_step(llm, routed_tokens) / read_bw + exposed_s
     return {"mode": args.mode, "model": str(path), "device": config.device, "batch": args.batch,
             "cuda_graph": engine.graph_runner is not None, "gpu_experts": llm.num_gpu_experts,
-            "tokens_per_s": tokens / seconds, "step_ms": step_s * 1e3, "steps": steps, "graph_steps": graph_steps,
-            "step_p50_ms": step_times[len(step_times) // 2] * 1e3, "step_max_ms": step_times[-1] * 1e3,
-            "cpu_experts_ms": cpu_s * 1e3, "cpu_wait_ms": None if cpu_wait_s is None else cpu_wait_s * 1e3,
-            "gpu_only_ms": None if gpu_only_s is None else gpu_only_s * 1e3,
-            "cpu_call_ms": cpu / calls * 1e3 if calls else None,
-            "cpu_call_hot_ms": None if hot_s is None else hot_s * 1e3,
-            "not_cpu_ms": (step_s - cpu_s) * 1e3, "read_gb_s": read_bw / 1e9, "bound_ms": bound_s * 1e3,
-            "of_bound": bound_s / step_s, "defer_experts": config.defer_experts, "deferral_kl": kl}
+            "tokens_per_s": m["tokens"] / m["seconds"], "step_ms": step_s * 1e3, "steps": steps,
+            "graph_steps": m["graph_steps"], "step_p50_ms": step_times[len(step_times) // 2] * 1e3,
+            "step_max_ms": step_times[-1] * 1e3, "cpu_experts_ms": cpu_s * 1e3, "cpu_wait_ms": _ms(m["cpu_wait_s"]),
+            "gpu_only_ms": _ms(gpu_only_s), "cpu_call_ms": m["cpu"] / m["calls"] * 1e3 if m["calls"] else None,
+            "cpu_call_hot_ms": _ms(m["hot_s"]), "not_cpu_ms": (step_s - cpu_s) * 1e3, "read_gb_s": read_bw / 1e9,
+            "bound_ms": bound_s * 1e3, "of_bound": bound_s / step_s, "defer_experts": config.defer_experts,
+            "deferral_kl": kl}
 
 
 def main(argv: list[str], mode: str) -> int:

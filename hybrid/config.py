@@ -96,6 +96,10 @@ class ModelConfig:
     def num_moe_layers(self) -> int:
         return sum(self.moe_layers)
 
+    @property
+    def moe_layer_indices(self) -> list[int]:
+        return [i for i, is_moe in enumerate(self.moe_layers) if is_moe]
+
 
 class RawConfig:
     """Typed access to a config.json dict; every failure names the file and the key."""

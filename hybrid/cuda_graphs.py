@@ -18,6 +18,8 @@ graph's output, valid until the next step), then `finish_step()` after the host 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from cpu_experts.flag_worker import DONE, REQUEST, FlagWorker
@@ -114,10 +116,6 @@ class CudaGraphRunner:
         hidden = self.model(self.input_ids[:size], self._batch(size))
         return self.model.compute_logits(hidden)  # [size, V] float32
 
-    def _bind(self, executor) -> None:
-        for module in self.cpu_modules:
-            module.bind(executor)
-
     def _arm(self, size: int) -> None:
         if self.worker is not None:
             self.worker.arm(size, self.num_requests)
@@ -133,10 +131,8 @@ class CudaGraphRunner:
     def capture(self) -> None:
         """Largest bucket first, all sharing one memory pool; each is run eagerly first (kernel compilation, the
         allocator's warm-up) with every row padding, so nothing is written to the KV cache."""
-        previous = self.llm.cpu_executor
-        self._bind(self.handoff)
         pool = None
-        try:
+        with self._handoff_bound():
             for size in reversed(self.buckets):
                 for _ in range(2):
                     self._arm(size)
@@ -148,34 +144,37 @@ class CudaGraphRunner:
                     self.logits[size] = self._forward(size)
                 pool = graph.pool()
                 self.graphs[size] = graph
-        finally:
-            self._bind(previous)
 
     def run(self, seqs: list[SequenceSlice], input_ids: list[int]) -> torch.Tensor:
         """One decode step of len(seqs) sequences (one new token each) -> float32 logits [len(seqs), V]."""
-        num_seqs = len(seqs)
-        size = next(b for b in self.buckets if b >= num_seqs)
-        self._fill(seqs, input_ids, size)
+        size = self._fill(seqs, input_ids)
         self._arm(size)
         self.graphs[size].replay()
         self.num_replays += 1
-        return self.logits[size][:num_seqs]
+        return self.logits[size][:len(seqs)]
 
     @torch.inference_mode()
     def run_eagerly(self, seqs: list[SequenceSlice], input_ids: list[int]) -> torch.Tensor:
         """The step `run` replays, launched op by op (same buffers, shapes and hand-off): checks and debugging."""
-        num_seqs = len(seqs)
-        size = next(b for b in self.buckets if b >= num_seqs)
-        self._fill(seqs, input_ids, size)
-        previous = self.llm.cpu_executor
-        self._bind(self.handoff)
-        try:
+        size = self._fill(seqs, input_ids)
+        with self._handoff_bound():
             self._arm(size)
-            return self._forward(size)[:num_seqs]
-        finally:
-            self._bind(previous)
+            return self._forward(size)[:len(seqs)]
 
-    def _fill(self, seqs: list[SequenceSlice], input_ids: list[int], size: int) -> None:
+    @contextlib.contextmanager
+    def _handoff_bound(self):
+        """The CPU experts bound to the graph hand-off (what a captured step calls), then back to the executor."""
+        for module in self.cpu_modules:
+            module.bind(self.handoff)
+        try:
+            yield
+        finally:
+            for module in self.cpu_modules:
+                module.bind(self.llm.cpu_executor)
+
+    def _fill(self, seqs: list[SequenceSlice], input_ids: list[int]) -> int:
+        """Writes the step into the static buffers of the smallest bucket that holds it; returns that bucket."""
+        size = next(b for b in self.buckets if b >= len(seqs))
         positions = [s.num_computed for s in seqs]
         slots = [s.block_table[p // self.block_size] * self.block_size + p % self.block_size
                  for s, p in zip(seqs, positions, strict=True)]
@@ -190,6 +189,7 @@ class CudaGraphRunner:
         self.block_tables[:size].copy_(tables)
         if self.handoff is not None:
             self.handoff.valid_rows[:size].copy_(torch.arange(size)[:, None] < len(seqs))
+        return size
 
     def close(self) -> None:
         if self.worker is not None:

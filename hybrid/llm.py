@@ -136,8 +136,7 @@ class LLM:
         dense_bytes = sum(t.numel() * t.element_size() for t in itertools.chain(meta.parameters(), meta.buffers()))
         kv_bytes = kv_bytes_per_token(meta.attention_layers(), cfg.torch_dtype) * num_blocks * cfg.block_size
         return auto_gpu_experts(self.config, int(total * cfg.gpu_memory_utilization), dense_bytes + kv_bytes,
-                                activation_bytes(self.config, self.max_model_len, cfg.torch_dtype),
-                                torch.empty((), dtype=cfg.torch_dtype).element_size())
+                                activation_bytes(self.config, self.max_model_len), cfg.torch_dtype.itemsize)
 
     def _converted_experts_factory(self, num_gpu_experts: int):
         """The CPU operator for every routed expert, or `HybridExperts` where `gpu_experts` keeps some on the
@@ -147,8 +146,8 @@ class LLM:
         if num_gpu_experts == 0:
             return partial(cpu_experts_factory, int8_activations=int8_activations)
         stats = RoutingStats.read(cfg.routing_stats) if cfg.routing_stats else None
-        moe_layers = [i for i, is_moe in enumerate(self.config.moe_layers) if is_moe]
-        placement = ExpertPlacement.choose(moe_layers, self.config.moe.num_experts, num_gpu_experts, stats)
+        placement = ExpertPlacement.choose(self.config.moe_layer_indices, self.config.moe.num_experts,
+                                           num_gpu_experts, stats)
         is_fused = uses_gemm_kernels(cfg.device, cfg.kernels, cfg.torch_dtype)
         return partial(hybrid_experts_factory, placement=placement, int8_activations=int8_activations,
                        is_fused=is_fused)

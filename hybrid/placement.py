@@ -101,7 +101,7 @@ def auto_gpu_experts(config, budget_bytes: int, used_bytes: int, reserve_bytes: 
     return max(0, min(moe.num_experts, free // (expert_bytes * num_moe_layers)))
 
 
-def activation_bytes(config, max_tokens: int, dtype: torch.dtype) -> int:
+def activation_bytes(config, max_tokens: int) -> int:
     """A generous bound on a step's transient device memory: a few [T, max(H, I, V-chunk)] buffers in float32
     plus the logits, plus 1 GiB for the CUDA context, graphs and kernels' workspaces."""
     width = max(config.hidden_size, config.moe.intermediate_size * config.moe.top_k, 4 * config.hidden_size)

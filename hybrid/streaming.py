@@ -19,7 +19,7 @@ out [T, H] (float32) at its tokens' rows.
 
 from __future__ import annotations
 
-import logging
+import itertools
 
 import numpy as np
 import torch
@@ -30,12 +30,11 @@ from cpu_experts.module import CpuExperts
 STREAMED_DTYPES = ("int8", "bf16")
 # Device memory for one chunk's dequantized weights (float32 while scaling, then bf16).
 CHUNK_BYTES = 1 << 30
-log = logging.getLogger(__name__)
 
 
 def pin(array: np.ndarray) -> bool:
     """Page-locks a numpy array in place (cudaHostRegister) so copies from it are asynchronous DMA."""
-    if array is None or array.nbytes == 0:
+    if array.nbytes == 0:
         return False
     error = torch.cuda.cudart().cudaHostRegister(array.ctypes.data, array.nbytes, 0)
     return int(error) == 0
@@ -65,9 +64,7 @@ class StreamedExperts(nn.Module):
         """Page-locks the layer's packed arrays; returns the bytes pinned (0 where the driver refused)."""
         if not self.is_streamable:
             return 0
-        arrays = [a for p in self.cpu_experts.op.layer.partitions
-                  for a in (p.gate, p.up, p.down, p.gate_scales, p.up_scales, p.down_scales) if a is not None]
-        self._pinned = [a for a in arrays if pin(a)]
+        self._pinned = [a for p in self.cpu_experts.op.layer.partitions for a in p.arrays() if pin(a)]
         return sum(a.nbytes for a in self._pinned)
 
     def unpin_weights(self) -> None:
@@ -103,9 +100,7 @@ class StreamedExperts(nn.Module):
         flat = topk_ids.reshape(-1).long()  # [T*K] pair p = token p // K, slot p % K
         order = flat.argsort()  # pairs grouped by expert, the -1 pairs first
         counts = torch.bincount(flat + 1, minlength=spec.num_experts + 1).tolist()  # [E + 1], -1 first
-        starts = [counts[0]]
-        for count in counts[1:]:
-            starts.append(starts[-1] + count)
+        starts = list(itertools.accumulate(counts))  # starts[e]: expert e's first pair in `order`
         tokens = order // top_k
         pair_weights = topk_weights.reshape(-1).float()[order]
         out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)

@@ -50,7 +50,7 @@ class MoECausalLM(nn.Module):
         super().__init__()
         backends = backends or Backends()
         self.config = config
-        moe_layers = [i for i, is_moe in enumerate(config.moe_layers) if is_moe]
+        moe_layers = config.moe_layer_indices
         self.deferral = ExpertDeferral(backends.defer_experts) if backends.defer_experts and moe_layers else None
         self._last_moe_layer = moe_layers[-1] if moe_layers else -1
         self.model = nn.Module()
