@@ -190,6 +190,31 @@ def _measure_prefill(engine: Engine, llm: LLM, args, timer: CpuExpertsTimer) -> 
                 hot_s=None, gpu_only_s=None, graph_steps=0, cpu_wait_s=None)
 
 
+def link_bytes_per_s(device: str, nbytes: int = 256 << 20) -> float:
+    """Host-to-device copy rate from page-locked memory (the median of 5 copies)."""
+    host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    times = []
+    for _ in range(5):
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        dev.copy_(host, non_blocking=True)
+        torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return nbytes / sorted(times)[2]
+
+
+def streamed_bytes_per_step(llm: LLM, num_tokens: int) -> int | None:
+    """Bytes a step of `num_tokens` copies to the GPU (`hybrid.streaming`); None when it is not streamed. A ring
+    that holds every unit (a model of NUM_SLOTS units or fewer) copies nothing after the first step."""
+    stream = llm.expert_stream
+    if stream is None or num_tokens < llm.gpu_prefill_tokens:
+        return None
+    if len(stream.units) <= stream.num_slots:
+        return 0
+    return sum(a.nbytes for unit in stream.units for a in unit.arrays().values())
+
+
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1e3
 
@@ -204,22 +229,29 @@ def run(args) -> dict:
     timer = timed_cpu_experts(llm)
     engine = Engine(llm, max_num_batched_tokens=min(llm.max_model_len, max(args.tokens, 64)),
                     max_num_seqs=max(args.batch, 1))
-    for _ in range(2):  # warm-up: compiles the kernels
-        engine.generate([torch.randint(llm.config.vocab_size, (8,)).tolist()] * args.batch, max_tokens=3,
-                        ignore_eos=True)
+    # Warm-up: compiles the kernels (prefill: those of the measured size too, which a short prompt does not reach)
+    warm_up = [[torch.randint(llm.config.vocab_size, (8,)).tolist()] * args.batch] * 2
+    if args.mode == "prefill":
+        warm_up.append([torch.randint(llm.config.vocab_size, (args.tokens,)).tolist()])
+    for prompts in warm_up:
+        engine.generate(prompts, max_tokens=3, ignore_eos=True)
     m = (_measure_prefill if args.mode == "prefill" else _measure_decode)(engine, llm, args, timer)
     engine.close()
     kl = deferral_kl(llm)
     llm.close()
     read_bw = ReadBandwidth(max(8 * last_level_cache_bytes(), 1 << 30))()
+    routed_tokens = args.tokens if args.mode == "prefill" else args.batch
+    streamed_bytes = streamed_bytes_per_step(llm, routed_tokens)
+    link_bw = link_bytes_per_s(config.device) if streamed_bytes is not None else None
     steps, step_times = len(m["step_seconds"]), sorted(m["step_seconds"])
     step_s, cpu_s = m["seconds"] / max(steps, 1), m["cpu"] / max(steps, 1)
     gpu_only_s = m["gpu_only_s"]
     # Not overlapped with the CPU experts: on CUDA the step's GPU time (measured with the experts answering at
     # once, shared experts included, so the bound is a generous one), on the CPU everything else.
     exposed_s = gpu_only_s if gpu_only_s is not None else step_s - cpu_s
-    routed_tokens = args.tokens if args.mode == "prefill" else args.batch
     bound_s = expert_bytes_per_step(llm, routed_tokens) / read_bw + exposed_s
+    if streamed_bytes is not None:  # the experts cross the link instead: its time is the floor
+        bound_s = streamed_bytes / link_bw
     return {"mode": args.mode, "model": str(path), "device": config.device, "batch": args.batch,
             "cuda_graph": engine.graph_runner is not None, "gpu_experts": llm.num_gpu_experts,
             "tokens_per_s": m["tokens"] / m["seconds"], "step_ms": step_s * 1e3, "steps": steps,
@@ -228,7 +260,8 @@ def run(args) -> dict:
             "gpu_only_ms": _ms(gpu_only_s), "cpu_call_ms": m["cpu"] / m["calls"] * 1e3 if m["calls"] else None,
             "cpu_call_hot_ms": _ms(m["hot_s"]), "not_cpu_ms": (step_s - cpu_s) * 1e3, "read_gb_s": read_bw / 1e9,
             "bound_ms": bound_s * 1e3, "of_bound": bound_s / step_s, "defer_experts": config.defer_experts,
-            "deferral_kl": kl}
+            "deferral_kl": kl, "streamed_gb": None if streamed_bytes is None else streamed_bytes / 1e9,
+            "link_gb_s": None if link_bw is None else link_bw / 1e9}
 
 
 def main(argv: list[str], mode: str) -> int:
@@ -250,10 +283,12 @@ def main(argv: list[str], mode: str) -> int:
         print(json.dumps(row))
         return 0
     gpu = "" if row["gpu_only_ms"] is None else f", GPU alone {row['gpu_only_ms']:.2f}"
+    rate = f"{row['read_gb_s']:.1f} GB/s read" if row["streamed_gb"] is None else \
+        f"{row['streamed_gb']:.2f} GB streamed at {row['link_gb_s']:.1f} GB/s host-to-device"
     print(f"{mode} on {row['device']}, batch {row['batch']}, graphs {row['cuda_graph']}, GPU experts "
           f"{row['gpu_experts']}: {row['tokens_per_s']:.1f} tokens/s, step {row['step_ms']:.2f} ms (CPU experts "
           f"{row['cpu_experts_ms']:.2f}, rest {row['not_cpu_ms']:.2f}{gpu}); bound {row['bound_ms']:.2f} ms at "
-          f"{row['read_gb_s']:.1f} GB/s read: {row['of_bound']:.0%} of it")
+          f"{rate}: {row['of_bound']:.0%} of it")
     print(f"{row['steps']} steps ({row['graph_steps']} replayed as graphs): median {row['step_p50_ms']:.2f} ms, "
           f"slowest {row['step_max_ms']:.2f} ms")
     if row["cpu_wait_ms"] is not None:

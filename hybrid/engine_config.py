@@ -43,9 +43,10 @@ class EngineConfig:
     # `routing_stats`, else the first ones); "auto" fills the device memory left after weights and KV cache
     gpu_experts: int | str = field(default=0, metadata=_help(
         "routed experts per MoE layer kept on the GPU: a count, or 'auto' to fill the free GPU memory"))
-    gpu_prefill_tokens: int = field(default=0, metadata=_help(
+    # "auto": once a step gives each expert 16 tokens on average (T*K/E >= 16), past the CPU's break-even
+    gpu_prefill_tokens: int | str = field(default="auto", metadata=_help(
         "steps of at least this many tokens compute CPU-resident experts on the GPU, streaming their int8/bf16 "
-        "weights over PCIe (CUDA only; 0: never, the default until it is measured faster than the CPU)"))
+        "weights over PCIe (CUDA only; 0: never; 'auto': 16 x experts / top-k tokens)"))
     gpu_memory_utilization: float = field(default=0.9, metadata=_help(
         "with --gpu-experts auto: the fraction of GPU memory the engine may fill"))
     routing_stats: str | None = field(default=None, metadata=_help(
@@ -73,8 +74,13 @@ class EngineConfig:
             raise ConfigError(f"gpu_experts must be a count >= 0 or 'auto', got {self.gpu_experts!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.gpu_prefill_tokens < 0:
-            raise ConfigError(f"gpu_prefill_tokens must be >= 0, got {self.gpu_prefill_tokens}")
+        if self.gpu_prefill_tokens != "auto" and not (isinstance(self.gpu_prefill_tokens, int)
+                                                       and self.gpu_prefill_tokens >= 0):
+            raise ConfigError(f"gpu_prefill_tokens must be a count >= 0 or 'auto', got {self.gpu_prefill_tokens!r}")
+        if self.cuda_graph and self.gpu_prefill_tokens != "auto" \
+                and 0 < self.gpu_prefill_tokens <= self.max_graph_batch:
+            raise ConfigError(f"gpu_prefill_tokens {self.gpu_prefill_tokens} must be above max_graph_batch "
+                              f"{self.max_graph_batch} (graph steps hand their experts to the CPU), or 0")
         if self.defer_experts < 0:
             raise ConfigError(f"defer_experts must be >= 0, got {self.defer_experts}")
         if self.kernels not in KERNELS:

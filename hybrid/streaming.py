@@ -2,34 +2,47 @@
 
 A prefill step of a few thousand tokens routes to nearly every expert of a layer, and the CPU computes it at a few
 TFLOP/s; the GPU computes it a hundred times faster if it has the weights. Copying a layer's int8 experts from
-page-locked memory takes a few milliseconds per hundred MB (PCIe), which beats the CPU from a few hundred tokens
-on: the same trade llama.cpp makes when it offloads large batches.
+page-locked memory runs at the link's speed (~55 GB/s on PCIe 5: 11 ms for a Qwen3-30B-A3B layer), which beats
+the CPU from a few hundred tokens on: the trade llama.cpp makes when it offloads large batches.
 
-`StreamedExperts` wraps a layer's `CpuExperts`: steps of at least `min_tokens` tokens copy the layer's weights to
-the GPU a chunk of experts at a time, dequantize them there (int8 with per-row or grouped scales, or bf16) and run
-one set of GEMMs per expert over the tokens routed to it (one host sync per layer for their counts; a
-prefill step syncs anyway); partitions along I add up as on the CPU. Smaller steps
-(decode) go to the CPU module unchanged, overlapped as before. The activations stay in the model's dtype (the CPU
-path's int8 activation rounding does not apply). int4 experts stay on the CPU.
-
-Data flow per chunk: host int8 [c, N, K] + float32 scales [c, N, G] -> device (non-blocking when pinned) ->
-bf16 [c, N, K] -> per expert e: silu(x_e @ gate_e.T) * (x_e @ up_e.T) @ down_e.T, weighted and added into
-out [T, H] (float32) at its tokens' rows.
+Pieces:
+- `ExpertStream` (one per model) cuts every streamed layer into units (experts [first, last) of one partition,
+  at most CHUNK_BYTES of stored weights each) in layer order, and copies them on its own CUDA stream into a ring
+  of NUM_SLOTS device buffers. Acquiring unit u also starts the copies of the units after it that have a free
+  slot, so the next layer's weights cross the link while this layer computes and the link never idles. Events
+  order the two streams: a unit's compute waits for its copy; a slot's next copy waits for the compute that read
+  it. No host sync anywhere: a slot still holding its unit (a model whose units all fit) is reused, not re-copied.
+- `StreamedExperts` wraps a layer's `CpuExperts`: steps of at least `min_tokens` tokens run here, per unit:
+  int8 weights -> bf16 (`gpu_layers.dequant`, gate and up side by side in one [c, 2Ip, H] table) ->
+  `gpu_layers.fused_moe` with the ids shifted by `first` (ids outside the unit count as elsewhere); the units'
+  outputs add up in float32. Smaller steps (decode) and steps being captured into a CUDA graph go to the CPU
+  module unchanged. The activations stay in the model's dtype (the CPU path's int8 activation rounding does not
+  apply). int4 experts, and layers whose weights could not be page-locked, stay on the CPU.
 """
 
 from __future__ import annotations
 
-import itertools
+import contextlib
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from torch import nn
 
 from cpu_experts.module import CpuExperts
+from cpu_experts.packed import PackedLayer
+from gpu_layers.dequant import dequantize_int8
+from gpu_layers.fused_moe import fused_moe
+from hybrid.engine_config import EngineConfig
 
 STREAMED_DTYPES = ("int8", "bf16")
-# Device memory for one chunk's dequantized weights (float32 while scaling, then bf16).
-CHUNK_BYTES = 1 << 30
+# gpu_prefill_tokens="auto": stream a step's experts once each gets this many of its tokens on average. On the H200
+# host the CPU took 9, 15 and 18 ms per Qwen3-30B-A3B layer for 128, 256 and 512 tokens (8, 16 and 32 per
+# expert), the copy over PCIe 11 ms at any size.
+AUTO_TOKENS_PER_EXPERT = 16
+CHUNK_BYTES = 1 << 30  # stored bytes of one unit: bounds the ring (NUM_SLOTS of them) and the bf16 table (x2)
+NUM_SLOTS = 2
+ROLES = ("gate", "up", "down", "gate_scales", "up_scales", "down_scales")
 
 
 def pin(array: np.ndarray) -> bool:
@@ -40,14 +53,118 @@ def pin(array: np.ndarray) -> bool:
     return int(error) == 0
 
 
+@dataclass(frozen=True)
+class Unit:
+    """Experts [first, last) of partition `partition` of one streamed layer."""
+
+    layer: PackedLayer = field(repr=False)
+    partition: int
+    first: int
+    last: int
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        part = self.layer.partitions[self.partition]
+        arrays = {role: getattr(part, role) for role in ROLES}
+        return {role: a[self.first:self.last] for role, a in arrays.items() if a is not None}
+
+
+def layer_units(layer: PackedLayer, chunk_bytes: int) -> list[Unit]:
+    units = []
+    for index, part in enumerate(layer.partitions):
+        per_expert = sum(a.nbytes for a in part.arrays()) // layer.spec.num_experts
+        chunk = max(1, min(layer.spec.num_experts, chunk_bytes // max(per_expert, 1)))
+        units += [Unit(layer, index, first, min(first + chunk, layer.spec.num_experts))
+                  for first in range(0, layer.spec.num_experts, chunk)]
+    return units
+
+
+class ExpertStream:
+    """Copies units of streamed layers to the device ahead of their use (module docstring)."""
+
+    def __init__(self, device: torch.device | str, num_slots: int = NUM_SLOTS):
+        self.device = torch.device(device)
+        self.units: list[Unit] = []
+        self.num_slots = num_slots
+        self._is_cuda = self.device.type == "cuda"
+        self._copy_stream = torch.cuda.Stream(self.device) if self._is_cuda else None
+        self._slot_unit = [-1] * num_slots  # unit index each slot holds (or is copying)
+        self._buffers: list[dict[str, torch.Tensor]] = [{} for _ in range(num_slots)]  # role -> flat uint8
+        self._copied = [self._event() for _ in range(num_slots)]
+        self._freed = [self._event() for _ in range(num_slots)]
+        self._pinned: list[np.ndarray] = []
+
+    def _event(self):
+        return torch.cuda.Event() if self._is_cuda else None
+
+    def add_layer(self, layer: PackedLayer, chunk_bytes: int | None = None) -> range:
+        """Appends the layer's units (call in layer order); returns their indices."""
+        first = len(self.units)
+        self.units += layer_units(layer, CHUNK_BYTES if chunk_bytes is None else chunk_bytes)
+        return range(first, len(self.units))
+
+    def pin(self, layer: PackedLayer) -> int:
+        """Page-locks a layer's arrays; the bytes pinned, 0 if the driver refused any (then the layer is not
+        streamed: copies from pageable memory run at a fraction of the link's speed)."""
+        arrays = [a for p in layer.partitions for a in p.arrays()]
+        pinned = [a for a in arrays if pin(a)]
+        self._pinned += pinned
+        return sum(a.nbytes for a in pinned) if len(pinned) == len(arrays) else 0
+
+    def unpin(self) -> None:
+        """Undoes `pin` (before the arrays are freed, so the driver holds no stale registration)."""
+        for array in self._pinned:
+            torch.cuda.cudart().cudaHostUnregister(array.ctypes.data)
+        self._pinned = []
+
+    def acquire(self, index: int) -> dict[str, torch.Tensor]:
+        """Unit `index`'s stored arrays on the device, ordered before the current stream's next work; starts the
+        copies of the units after it. Pair with `release(index)` after the last kernel that reads them."""
+        for ahead in range(index, min(index + self.num_slots, len(self.units))):
+            if self._slot_unit[ahead % self.num_slots] != ahead:
+                self._copy(ahead)
+        slot = index % self.num_slots
+        if self._is_cuda:
+            torch.cuda.current_stream(self.device).wait_event(self._copied[slot])
+        return self._views(slot, self.units[index].arrays())
+
+    def release(self, index: int) -> None:
+        if self._is_cuda:
+            self._freed[index % self.num_slots].record(torch.cuda.current_stream(self.device))
+
+    def _copy(self, index: int) -> None:
+        slot = index % self.num_slots
+        arrays = self.units[index].arrays()
+        stream = torch.cuda.stream(self._copy_stream) if self._is_cuda else contextlib.nullcontext()
+        with stream:
+            if self._is_cuda:
+                self._copy_stream.wait_event(self._freed[slot])  # the compute that read the slot's last unit
+            for role, device_view in self._views(slot, arrays).items():
+                device_view.copy_(torch.from_numpy(np.ascontiguousarray(arrays[role])), non_blocking=True)
+            if self._is_cuda:
+                self._copied[slot].record(self._copy_stream)
+        self._slot_unit[slot] = index
+
+    def _views(self, slot: int, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        """Device tensors shaped like `arrays` over the slot's buffers (grown to the largest unit on first use)."""
+        buffers, views = self._buffers[slot], {}
+        for role, array in arrays.items():
+            if role not in buffers or buffers[role].numel() < array.nbytes:
+                size = max(u.arrays()[role].nbytes for u in self.units if role in u.arrays())
+                buffers[role] = torch.empty(size, dtype=torch.uint8, device=self.device)
+            dtype = torch.from_numpy(array[:0]).dtype
+            views[role] = buffers[role][:array.nbytes].view(dtype).view(array.shape)
+        return views
+
+
 class StreamedExperts(nn.Module):
     def __init__(self, cpu: CpuExperts, min_tokens: int, device: torch.device | str):
         super().__init__()
         self.cpu_experts = cpu
         self.min_tokens = min_tokens
         self.device = torch.device(device)
+        self.stream: ExpertStream | None = None
+        self.units = range(0)
         self._out: torch.Tensor | None = None
-        self._pinned: list[np.ndarray] = []
 
     @property
     def is_async(self) -> bool:
@@ -55,26 +172,31 @@ class StreamedExperts(nn.Module):
 
     @property
     def is_streamable(self) -> bool:
-        return self.cpu_experts.op is not None and self.cpu_experts.op.layer.spec.dtype in STREAMED_DTYPES
+        """int8/bf16 experts whose partitions fused_moe can take (I and H multiples of 16)."""
+        if self.cpu_experts.op is None:
+            return False
+        layer = self.cpu_experts.op.layer
+        return layer.spec.dtype in STREAMED_DTYPES and layer.spec.hidden_size % 16 == 0 \
+            and all(p.size % 16 == 0 for p in layer.partitions)
 
     def checkpoint_targets(self):
         return iter(())  # the CpuExperts inside receives the packed weights
 
-    def pin_weights(self) -> int:
-        """Page-locks the layer's packed arrays; returns the bytes pinned (0 where the driver refused)."""
+    def attach(self, stream: ExpertStream, chunk_bytes: int | None = None, pin: bool = True) -> int:
+        """Registers the layer's units with the model's stream (after loading, in layer order); the bytes
+        page-locked. A layer that cannot be streamed, or whose weights the driver would not pin, stays on the CPU."""
         if not self.is_streamable:
             return 0
-        self._pinned = [a for p in self.cpu_experts.op.layer.partitions for a in p.arrays() if pin(a)]
-        return sum(a.nbytes for a in self._pinned)
-
-    def unpin_weights(self) -> None:
-        """Undoes `pin_weights` (before the arrays are freed, so the driver holds no stale registration)."""
-        for array in self._pinned:
-            torch.cuda.cudart().cudaHostUnregister(array.ctypes.data)
-        self._pinned = []
+        layer = self.cpu_experts.op.layer
+        pinned = stream.pin(layer) if pin else layer.nbytes
+        if pinned:
+            self.stream, self.units = stream, stream.add_layer(layer, chunk_bytes)
+        return pinned
 
     def _uses_gpu(self, hidden: torch.Tensor) -> bool:
-        return hidden.is_cuda and hidden.shape[0] >= self.min_tokens and self.is_streamable
+        return (self.stream is not None and hidden.shape[0] >= self.min_tokens
+                and hidden.device.type == self.device.type  # "cuda" and "cuda:0" alike
+                and not (hidden.is_cuda and torch.cuda.is_current_stream_capturing()))
 
     def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         if self._uses_gpu(hidden):
@@ -92,51 +214,51 @@ class StreamedExperts(nn.Module):
         return self.cpu_experts.sync(like) if out is None else out
 
     def compute_on_gpu(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
-        """hidden [T, H] (bf16/fp16, CUDA), topk_ids [T, K] (-1: not here) -> [T, H]. One host sync (the
-        per-expert token counts), then per expert three cuBLAS GEMMs over its tokens."""
-        layer = self.cpu_experts.op.layer
-        spec = layer.spec
-        top_k = topk_ids.shape[1]
-        flat = topk_ids.reshape(-1).long()  # [T*K] pair p = token p // K, slot p % K
-        order = flat.argsort()  # pairs grouped by expert, the -1 pairs first
-        counts = torch.bincount(flat + 1, minlength=spec.num_experts + 1).tolist()  # [E + 1], -1 first
-        starts = list(itertools.accumulate(counts))  # starts[e]: expert e's first pair in `order`
-        tokens = order // top_k
-        pair_weights = topk_weights.reshape(-1).float()[order]
-        out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
-        for part in layer.partitions:
-            per_expert = 4 * 3 * part.size * spec.hidden_size  # float32 while scaling
-            chunk = max(1, min(spec.num_experts, CHUNK_BYTES // per_expert))
-            for first in range(0, spec.num_experts, chunk):
-                last = min(spec.num_experts, first + chunk)
-                if sum(counts[first + 1:last + 1]) == 0:
-                    continue  # no token routed to these experts: skip their copy
-                gate, up, down = (self._weights(w, s, first, last) for w, s in (
-                    (part.gate, part.gate_scales), (part.up, part.up_scales), (part.down, part.down_scales)))
-                for e in range(first, last):
-                    begin, end = starts[e], starts[e] + counts[e + 1]
-                    if begin == end:
-                        continue
-                    rows = tokens[begin:end]
-                    x = hidden[rows]  # [n, H]
-                    act = torch.nn.functional.silu(x @ gate[e - first].T) * (x @ up[e - first].T)  # [n, Ip]
-                    out.index_add_(0, rows, (act @ down[e - first].T).float() * pair_weights[begin:end, None])
-        return out.to(hidden.dtype)
+        """hidden [T, H] (bf16/fp16), topk_ids [T, K] (-1: not here) -> [T, H]; no host sync."""
+        dtype = hidden.dtype
+        ids = topk_ids.to(torch.int32)
+        weights = topk_weights.float().contiguous()
+        hidden = hidden.to(torch.bfloat16).contiguous()  # the tables are bf16; no copy when it already is
+        out = None
+        for index in self.units:
+            unit = self.stream.units[index]
+            gate_up, down = self._bf16_tables(self.stream.acquire(index))
+            part = fused_moe(hidden, gate_up, down, ids - unit.first, weights).float()
+            self.stream.release(index)
+            out = part if out is None else out.add_(part)
+        return out.to(dtype)
 
-    def _weights(self, array: np.ndarray, scales: np.ndarray | None, first: int, last: int) -> torch.Tensor:
-        """Experts [first, last) of one projection on the device in bf16: [c, N, K]."""
-        host = torch.from_numpy(array[first:last])
-        if host.dtype == torch.uint16:  # bf16 stored as its bits
-            return host.view(torch.bfloat16).to(self.device, non_blocking=True)
-        w = host.to(self.device, non_blocking=True).float()
-        s = torch.from_numpy(scales[first:last]).to(self.device, non_blocking=True)  # [c, N, G]
-        c, n, k = w.shape
-        w = w.view(c, n, s.shape[2], -1) * s[..., None]  # [c, N, G, group]: one scale per group of K
-        return w.view(c, n, k).to(torch.bfloat16)
+    @staticmethod
+    def _bf16_tables(arrays: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A unit's stored arrays -> gate_up bf16 [c, 2Ip, H] (gate rows first) and down bf16 [c, H, Ip]."""
+        gate, up, down = arrays["gate"], arrays["up"], arrays["down"]
+        if gate.dtype == torch.uint16:  # bf16 stored as its bits
+            return torch.cat([gate.view(torch.bfloat16), up.view(torch.bfloat16)], dim=1), down.view(torch.bfloat16)
+        num_experts, inter, hidden_size = gate.shape
+        gate_up = torch.empty(num_experts, 2 * inter, hidden_size, dtype=torch.bfloat16, device=gate.device)
+        dequantize_int8(gate, arrays["gate_scales"], gate_up[:, :inter])
+        dequantize_int8(up, arrays["up_scales"], gate_up[:, inter:])
+        return gate_up, dequantize_int8(down, arrays["down_scales"])
+
+
+def min_streamed_tokens(config: EngineConfig, num_experts: int, top_k: int) -> int:
+    """`gpu_prefill_tokens` as a count: 0 (no streaming) off CUDA; "auto" 16 x E / K, above the graphs' batches."""
+    if not config.is_cuda:
+        return 0
+    if config.gpu_prefill_tokens != "auto":
+        return config.gpu_prefill_tokens
+    floor = config.max_graph_batch + 1 if config.cuda_graph else 1
+    return max(AUTO_TOKENS_PER_EXPERT * num_experts // top_k, floor)
+
+
+def reserve_bytes(num_experts: int, hidden_size: int, intermediate_size: int) -> int:
+    """Device memory streaming needs at most: the ring's slots and one unit's bf16 tables (twice its int8 bytes)."""
+    return (NUM_SLOTS + 2) * min(CHUNK_BYTES, 3 * num_experts * hidden_size * intermediate_size)
 
 
 def wrap_streamed(model: nn.Module, min_tokens: int, device: torch.device | str) -> list[StreamedExperts]:
-    """Puts a `StreamedExperts` around every MoE layer's CPU experts (inside `HybridExperts` too)."""
+    """Puts a `StreamedExperts` around every MoE layer's CPU experts (inside `HybridExperts` too), in layer
+    order; `attach_streamed` connects them to the stream once their weights are loaded."""
     wrapped = []
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
@@ -145,3 +267,9 @@ def wrap_streamed(model: nn.Module, min_tokens: int, device: torch.device | str)
                 setattr(module, name, streamed)
                 wrapped.append(streamed)
     return wrapped
+
+
+def attach_streamed(modules: list[StreamedExperts], device: torch.device | str) -> tuple[ExpertStream, int]:
+    """One stream for the model's streamed layers; (the stream, bytes page-locked)."""
+    stream = ExpertStream(device)
+    return stream, sum(m.attach(stream) for m in modules)

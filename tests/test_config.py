@@ -165,3 +165,9 @@ def test_engine_flags_generated_from_engine_config():
         parse("--defer-experts", "-1")
     with pytest.raises(ConfigError, match="kv_cache_tokens must be >= 1"):
         parse("--kv-cache-tokens", "0")
+    assert parse().gpu_prefill_tokens == "auto" and parse("--gpu-prefill-tokens", "0").gpu_prefill_tokens == 0
+    assert parse("--gpu-prefill-tokens", "16", "--no-cuda-graph").gpu_prefill_tokens == 16
+    with pytest.raises(ConfigError, match="gpu_prefill_tokens 16 must be above max_graph_batch 32"):
+        parse("--gpu-prefill-tokens", "16")  # graph steps must hand their experts to the CPU
+    with pytest.raises(ConfigError, match="gpu_prefill_tokens must be a count >= 0 or 'auto', got 'some'"):
+        parse("--gpu-prefill-tokens", "some")
