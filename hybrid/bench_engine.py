@@ -30,6 +30,8 @@ from hybrid.llm import LLM
 from hybrid.placement import HybridExperts
 from hybrid.synthetic import SHAPES, write_synthetic_checkpoint
 
+DECODE_PROMPT_TOKENS = 16  # each decode request's prompt
+
 
 def converted_model(args) -> Path:
     if args.model:
@@ -166,7 +168,7 @@ def _measure_decode(engine: Engine, llm: LLM, args, timer: CpuExpertsTimer) -> d
     """Decode of `args.batch` short prompts: timings, graph replays, the CPU's wait in graph steps, the CPU-experts
     call in the engine and repeated, and the GPU-alone step."""
     vocab = llm.config.vocab_size
-    prompts = [torch.randint(vocab, (16,)).tolist() for _ in range(args.batch)]
+    prompts = [torch.randint(vocab, (DECODE_PROMPT_TOKENS,)).tolist() for _ in range(args.batch)]
     runner = engine.graph_runner
     worker = runner.worker if runner is not None else None
     replays, waited = (runner.num_replays if runner else 0), (worker.wait_seconds if worker else 0.0)
@@ -215,6 +217,20 @@ def streamed_bytes_per_step(llm: LLM, num_tokens: int) -> int | None:
     return sum(a.nbytes for unit in stream.units for a in unit.arrays().values())
 
 
+def _warm_up(engine: Engine, llm: LLM, args) -> None:
+    """The measured work once, shortened, so that every kernel it reaches is compiled before the timing: numba
+    compiles a kernel on its first call (up to seconds), and a step split unlike the warm-up's (prompts over two
+    steps beside decodes, say) reaches kernels a warm-up of other sizes does not (one such step took 1.4 s of a
+    batch-8 decode run on the H200 host)."""
+    vocab = llm.config.vocab_size
+    if args.mode == "prefill":
+        engine.generate([torch.randint(vocab, (args.tokens,)).tolist()], max_tokens=3, ignore_eos=True)
+        return
+    for _ in range(2):
+        engine.generate([torch.randint(vocab, (DECODE_PROMPT_TOKENS,)).tolist() for _ in range(args.batch)],
+                        max_tokens=3, ignore_eos=True)
+
+
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1e3
 
@@ -229,12 +245,7 @@ def run(args) -> dict:
     timer = timed_cpu_experts(llm)
     engine = Engine(llm, max_num_batched_tokens=min(llm.max_model_len, max(args.tokens, 64)),
                     max_num_seqs=max(args.batch, 1))
-    # Warm-up: compiles the kernels (prefill: those of the measured size too, which a short prompt does not reach)
-    warm_up = [[torch.randint(llm.config.vocab_size, (8,)).tolist()] * args.batch] * 2
-    if args.mode == "prefill":
-        warm_up.append([torch.randint(llm.config.vocab_size, (args.tokens,)).tolist()])
-    for prompts in warm_up:
-        engine.generate(prompts, max_tokens=3, ignore_eos=True)
+    _warm_up(engine, llm, args)
     m = (_measure_prefill if args.mode == "prefill" else _measure_decode)(engine, llm, args, timer)
     engine.close()
     kl = deferral_kl(llm)
