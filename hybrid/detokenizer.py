@@ -48,6 +48,14 @@ class IncrementalDetokenizer:
         self.text += new_text
         return self._find_stop(start)
 
+    def step(self, token_id: int, finish_reason: str | None) -> tuple[str, str | None]:
+        """One new token of the request, with the engine's finish reason -> (text delta, finish reason). A stop
+        token ends the text without being part of it; a stop string the token completes makes the reason "stop"
+        (the caller ends the request if the engine had not)."""
+        if finish_reason != "stop" and self.add_token(token_id):
+            finish_reason = "stop"
+        return self.take_delta(is_finished=finish_reason is not None), finish_reason
+
     def take_delta(self, is_finished: bool) -> str:
         """The text not handed out yet; while running, minus a tail that could be the start of a stop string."""
         end = len(self.text) if is_finished or self.stop_string is not None else len(self.text) - self._hold

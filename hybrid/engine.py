@@ -6,8 +6,8 @@ schedule -> run -> update:
 2. run: one `ForwardBatch` over all scheduled chunks, one forward pass, logits only for the chunks that end at a
    request's last token; on CUDA a step of single-token chunks replays a captured graph (`hybrid.cuda_graphs`);
 3. update: sample every row at once on the device (`hybrid.sampling.sample_batch`: each request's parameters,
-   penalties and seed; one transfer to the host), append, finish on a stop token or max_tokens, free the pages of
-   finished requests, publish full pages to the prefix cache.
+   penalties and seed; one transfer to the host), append, finish on a stop token, a stop string (with a tokenizer,
+   `hybrid.detokenizer`) or max_tokens, free the pages of finished requests, publish full pages to the prefix cache.
 
 `Engine` takes an `LLM` (the model, its KV cache and its config); the block manager replaces the LLM's simple
 allocator for the pages the engine hands out. The CPU path runs this same loop.
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from hybrid.block_manager import PrefixCachingBlockManager
+from hybrid.detokenizer import IncrementalDetokenizer
 from hybrid.forward_batch import ForwardBatch, SequenceSlice
 from hybrid.sampling import RowInputs, SampleResult, SamplingParams, sample_batch
 from hybrid.scheduler import Request, ScheduledChunk, Scheduler
@@ -33,6 +34,7 @@ class StepOutput:
     finish_reason: str | None  # "stop", "length", or None while the request goes on
     logprob: float | None = None  # the new token's, when the request's params.logprobs asked (see sample_batch)
     top_logprobs: tuple[tuple[int, float], ...] | None = None  # (token id, logprob), most likely first
+    text: str | None = None  # with a tokenizer: the new text (held back while it could start a stop string)
 
 
 @dataclass(frozen=True)
@@ -47,9 +49,10 @@ class EngineStats:
 
 class Engine:
     def __init__(self, llm, max_num_batched_tokens: int | None = None, max_num_seqs: int = 64,
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, tokenizer=None):
         """`max_num_batched_tokens`: tokens per step (None: 512, or max_model_len if smaller); at most max_model_len,
-        the largest step the CPU experts' staging buffers take."""
+        the largest step the CPU experts' staging buffers take. `tokenizer` (a transformers tokenizer): outputs
+        carry their text, and requests may stop on strings."""
         max_num_batched_tokens = max_num_batched_tokens or min(512, llm.max_model_len)
         if max_num_batched_tokens > llm.max_model_len:
             raise ValueError(f"max_num_batched_tokens {max_num_batched_tokens} exceeds max_model_len "
@@ -62,6 +65,8 @@ class Engine:
         self.requests: dict[int, Request] = {}
         self._ids = itertools.count()
         self._generators: dict[int, torch.Generator] = {}
+        self.tokenizer = tokenizer
+        self._detokenizers: dict[int, IncrementalDetokenizer] = {}
         self.graph_runner = self._graph_runner(max_num_seqs)
 
     def _graph_runner(self, max_num_seqs: int):
@@ -77,17 +82,25 @@ class Engine:
         return runner
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None, max_tokens: int = 16,
-                    stop_token_ids: list[int] | None = None, ignore_eos: bool = False) -> int:
+                    stop_token_ids: list[int] | None = None, ignore_eos: bool = False, stop: tuple[str, ...] = (),
+                    skip_special_tokens: bool = True) -> int:
+        """`stop`: strings that end the request (needs the engine's tokenizer); the token that completes one is the
+        last output id, and the text stops before the string."""
         params = params or SamplingParams()
         self.llm._check_prompt(prompt_ids, max_tokens)
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer: build the engine with Engine(llm, tokenizer=...)")
         stops = set(stop_token_ids or ()) | (set() if ignore_eos else set(self.llm.config.eos_token_ids))
         request = Request(next(self._ids), list(prompt_ids), params, max_tokens, frozenset(stops))
         self.scheduler.add(request)
         self.requests[request.request_id] = request
         if params.seed is not None:
             self._generators[request.request_id] = torch.Generator(device=self.device).manual_seed(params.seed)
+        if self.tokenizer is not None:
+            self._detokenizers[request.request_id] = IncrementalDetokenizer(self.tokenizer, list(prompt_ids),
+                                                                            tuple(stop), skip_special_tokens)
         return request.request_id
 
     def cancel(self, request_id: int) -> None:
@@ -100,6 +113,7 @@ class Engine:
         if request is not None and not request.is_finished:
             self.scheduler.finish(request, reason)
             self._generators.pop(request_id, None)
+            self._detokenizers.pop(request_id, None)
 
     def stats(self) -> EngineStats:
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.blocks.num_blocks,
@@ -124,9 +138,9 @@ class Engine:
         return outputs
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | None = None, max_tokens: int = 16,
-                 ignore_eos: bool = False) -> list[list[int]]:
+                 ignore_eos: bool = False, stop: tuple[str, ...] = ()) -> list[list[int]]:
         """Runs the prompts together to completion; each one's new token ids, in the prompts' order."""
-        ids = [self.add_request(p, params, max_tokens, ignore_eos=ignore_eos) for p in prompts]
+        ids = [self.add_request(p, params, max_tokens, ignore_eos=ignore_eos, stop=stop) for p in prompts]
         while self.has_work():
             self.step()
         return [self.requests.pop(i).output_ids for i in ids]
@@ -166,10 +180,12 @@ class Engine:
             token = result.token_ids[i]
             r.output_ids.append(token)
             reason = "stop" if token in r.stop_token_ids else "length" if len(r.output_ids) >= r.max_tokens else None
+            text, detokenizer = None, self._detokenizers.get(r.request_id)
+            if detokenizer is not None:
+                text, reason = detokenizer.step(token, reason)  # a stop string also ends it: "stop"
             if reason:
-                self.scheduler.finish(r, reason)
-                self._generators.pop(r.request_id, None)
-            outputs.append(StepOutput(r.request_id, token, reason, result.logprobs[i], result.top_logprobs[i]))
+                self.finish(r.request_id, reason)
+            outputs.append(StepOutput(r.request_id, token, reason, result.logprobs[i], result.top_logprobs[i], text))
         return outputs
 
     def _sample(self, requests: list[Request], logits: torch.Tensor) -> SampleResult:

@@ -183,14 +183,9 @@ class EngineLoop:
 
     def _emit(self, output) -> None:
         active = self._active[output.request_id]
-        detokenizer = active.detokenizer
-        reason = output.finish_reason
-        # A stop token ends the text without being part of it.
-        if reason != "stop" and detokenizer.add_token(output.new_token):
-            if reason is None:
-                self.engine.finish(output.request_id, "stop")  # free its pages now, not at max_tokens
-            reason = "stop"
-        text = detokenizer.take_delta(is_finished=reason is not None)
+        text, reason = active.detokenizer.step(output.new_token, output.finish_reason)
+        if reason is not None and output.finish_reason is None:  # a stop string: free its pages now
+            self.engine.finish(output.request_id, reason)
         _send(active.job, Output(text, output.new_token, output.logprob, output.top_logprobs, reason))
         if reason is not None:
             self._drop(output.request_id)

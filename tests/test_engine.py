@@ -98,6 +98,38 @@ def test_cancellation_frees_blocks(checkpoint):
     assert engine.blocks.num_free == engine.blocks.num_blocks
 
 
+class LetterTokenizer:
+    """Token t decodes to two letters of its own ("ab", "bc", ...): a stop string can span two tokens."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(97 + t % 26) + chr(97 + (t + 1) % 26) for t in ids)
+
+
+def test_stop_strings_end_the_request_and_free_its_pages(checkpoint):
+    """A stop string spanning two tokens ends the request at the token that completes it, with the text cut before
+    it and never streamed; a batched neighbour without stop strings goes on to max_tokens."""
+    llm = LLM(checkpoint, device="cpu", dtype="float32")
+    full = Engine(llm).generate([PROMPTS[2]], max_tokens=12, ignore_eos=True)[0]
+    text = LetterTokenizer().decode(full)
+    stop = text[9:12]  # the last letter of token 4 and token 5's two: completed by token 5 (if not earlier)
+    first = text.find(stop)
+    engine = Engine(llm, max_num_batched_tokens=24, tokenizer=LetterTokenizer())
+    stopped = engine.add_request(PROMPTS[2], max_tokens=12, ignore_eos=True, stop=(stop,))
+    other = engine.add_request(PROMPTS[4], max_tokens=12, ignore_eos=True)
+    streamed = {stopped: "", other: ""}
+    while engine.has_work():
+        for output in engine.step():
+            streamed[output.request_id] += output.text
+    assert engine.requests[stopped].finish_reason == "stop"
+    assert engine.requests[stopped].output_ids == full[:(first + len(stop) + 1) // 2]
+    assert streamed[stopped] == text[:first]
+    assert engine.requests[other].finish_reason == "length" and len(engine.requests[other].output_ids) == 12
+    assert streamed[other] == LetterTokenizer().decode(engine.requests[other].output_ids)
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        Engine(llm).add_request(PROMPTS[2], stop=("x",))
+
+
 def test_kv_exhaustion_queues_requests(checkpoint):
     """8 pages of 16 tokens cannot hold the six requests at once: they wait, some are preempted and recomputed,
     and every one still gets its own tokens."""
