@@ -37,10 +37,13 @@ class PartitionWeights:
     def size(self) -> int:
         return self.end - self.start
 
+    def named_arrays(self) -> dict[str, np.ndarray]:
+        """The weight and scale arrays this partition holds, by field name (scales are absent for bf16)."""
+        roles = ("gate", "up", "down", "gate_scales", "up_scales", "down_scales")
+        return {role: getattr(self, role) for role in roles if getattr(self, role) is not None}
+
     def arrays(self) -> list[np.ndarray]:
-        """The weight and scale arrays this partition holds (scales are absent for bf16)."""
-        return [a for a in (self.gate, self.up, self.down, self.gate_scales, self.up_scales, self.down_scales)
-                if a is not None]
+        return list(self.named_arrays().values())
 
 
 @dataclass

@@ -69,6 +69,8 @@ class LLM:
         # On CUDA the CPU experts leave one CPU to the thread driving the GPU; set before loading runs a kernel
         num_threads = max(1, len(allowed_cpus()) - 1) if cfg.is_cuda and is_converted else None
         use_kernel_threads(num_threads)
+        moe = self.config.moe
+        self.gpu_prefill_tokens = min_streamed_tokens(cfg, moe.num_experts, moe.top_k) if is_converted else 0
         self.num_gpu_experts = 0
         make_experts = None
         if is_converted:
@@ -81,7 +83,6 @@ class LLM:
                                        make_experts, cfg.defer_experts)
         self.backends = backends
         self.model = build_model(cls, self.config, cfg, backends)
-        self.gpu_prefill_tokens = self._resolve_gpu_prefill_tokens() if is_converted else 0
         streamed = wrap_streamed(self.model, self.gpu_prefill_tokens, cfg.device) if self.gpu_prefill_tokens else []
         partitions = cfg.numa_partitions or len(discover_nodes())
         load_weights(self.model, path, partitions, keep_quantized=backends.keep_quantized)
@@ -139,14 +140,10 @@ class LLM:
         kv_bytes = kv_bytes_per_token(meta.attention_layers(), cfg.torch_dtype) * num_blocks * cfg.block_size
         moe = self.config.moe
         streaming = reserve_bytes(moe.num_experts, self.config.hidden_size, moe.intermediate_size) \
-            if self._resolve_gpu_prefill_tokens() else 0
+            if self.gpu_prefill_tokens else 0
         return auto_gpu_experts(self.config, int(total * cfg.gpu_memory_utilization), dense_bytes + kv_bytes,
                                 activation_bytes(self.config, self.max_model_len) + streaming,
                                 cfg.torch_dtype.itemsize)
-
-    def _resolve_gpu_prefill_tokens(self) -> int:
-        moe = self.config.moe
-        return min_streamed_tokens(self.engine_config, moe.num_experts, moe.top_k)
 
     def _converted_experts_factory(self, num_gpu_experts: int):
         """The CPU operator for every routed expert, or `HybridExperts` where `gpu_experts` keeps some on the

@@ -42,7 +42,6 @@ STREAMED_DTYPES = ("int8", "bf16")
 AUTO_TOKENS_PER_EXPERT = 16
 CHUNK_BYTES = 1 << 30  # stored bytes of one unit: bounds the ring (NUM_SLOTS of them) and the bf16 table (x2)
 NUM_SLOTS = 2
-ROLES = ("gate", "up", "down", "gate_scales", "up_scales", "down_scales")
 
 
 def pin(array: np.ndarray) -> bool:
@@ -63,9 +62,8 @@ class Unit:
     last: int
 
     def arrays(self) -> dict[str, np.ndarray]:
-        part = self.layer.partitions[self.partition]
-        arrays = {role: getattr(part, role) for role in ROLES}
-        return {role: a[self.first:self.last] for role, a in arrays.items() if a is not None}
+        named = self.layer.partitions[self.partition].named_arrays()
+        return {role: a[self.first:self.last] for role, a in named.items()}
 
 
 def layer_units(layer: PackedLayer, chunk_bytes: int) -> list[Unit]:
@@ -149,7 +147,7 @@ class ExpertStream:
         buffers, views = self._buffers[slot], {}
         for role, array in arrays.items():
             if role not in buffers or buffers[role].numel() < array.nbytes:
-                size = max(u.arrays()[role].nbytes for u in self.units if role in u.arrays())
+                size = max(u.arrays()[role].nbytes for u in self.units)  # every unit has the same roles
                 buffers[role] = torch.empty(size, dtype=torch.uint8, device=self.device)
             dtype = torch.from_numpy(array[:0]).dtype
             views[role] = buffers[role][:array.nbytes].view(dtype).view(array.shape)
