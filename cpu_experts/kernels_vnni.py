@@ -12,8 +12,8 @@ Each weight row is one call into LLVM IR (`_int8_dots`, `_int4_dots`): the gate 
 the same loop (two independent dependency chains per vector, so the loop is not bound by `vpdpbusd`'s latency),
 and int4 groups are scaled in vector registers, so a row pays one horizontal sum, not one per 128-column group.
 
-Only `has_vnni()` machines may call these: LLVM compiles the intrinsic for the host CPU on first use and has no
-fallback for it. `operator.CpuMoE` dispatches on it once, at construction.
+On a CPU without VNNI the same sums are compiled from generic widening multiplies (exact, slower): `operator.CpuMoE`
+runs these kernels only where `has_vnni()` (its float kernels are faster elsewhere), and tests run them anywhere.
 """
 
 from __future__ import annotations
@@ -69,7 +69,19 @@ class _IR:
                       [ahead, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
 
     def vnni(self, acc, unsigned, signed):
-        return self.call(VNNI, V8, [V8, V8, V8], [acc, unsigned, signed])
+        if has_vnni():
+            return self.call(VNNI, V8, [V8, V8, V8], [acc, unsigned, signed])
+        return self.b.add(acc, self._dot4_bytes(unsigned, signed))
+
+    def _dot4_bytes(self, unsigned, signed):
+        """What `vpdpbusd` adds, in generic IR (exact: a u8 x s8 product fits in i16, four of them in i32), for
+        CPUs without VNNI: LLVM selects widening multiply-adds (AVX2 `vpmaddwd`) for it."""
+        b = self.b
+        v32b, v32w, v32d = ir.VectorType(I8, 32), ir.VectorType(ir.IntType(16), 32), ir.VectorType(I32, 32)
+        product = b.mul(b.zext(b.bitcast(unsigned, v32b), v32w), b.sext(b.bitcast(signed, v32b), v32w))
+        wide = b.sext(product, v32d)
+        lanes = [b.shuffle_vector(wide, wide, ir.Constant(V8, [4 * k + j for k in range(8)])) for j in range(4)]
+        return b.add(b.add(lanes[0], lanes[1]), b.add(lanes[2], lanes[3]))
 
     def zeroed(self, ty):
         return cgutils.alloca_once_value(self.b, ir.Constant(ty, None))
