@@ -13,6 +13,8 @@ oneDNN in `prefill_int8` elsewhere, dequantize-and-multiply in `prefill` for the
 Quantized experts compute with int8 activations by default (W8A8, one scale per row; `int8_activations=False` for
 float activations).
 `executor` runs an operator asynchronously (submit / sync over fixed, pinnable buffers) so the engine can overlap
-it with GPU work. `reference` is the plain-PyTorch oracle the kernels are tested against. Nothing here imports the
-engine (`hybrid`).
+it with GPU work; `flag_worker` serves a CUDA graph's hand-off flags on the executor's thread, and `decode_pool`
+serves them from pinned spinning threads in compiled code (int8 W8A8 decode; `atomics` for the shared words).
+`reference` is the plain-PyTorch oracle the kernels are tested against. Nothing here imports the engine
+(`hybrid`).
 """

@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import statistics
+import threading
 import time
 from pathlib import Path
 
@@ -56,15 +57,49 @@ def _read_all(data):
 class ReadBandwidth:
     """Bytes per second of a parallel read-only pass over `nbytes` of the same huge-page memory as the experts,
     the median of `repeats` passes. The device host's bandwidth drifts by a third within minutes (other tenants),
-    so every row of the table is measured against passes made just before and just after it."""
+    so every row of the table is measured against passes made just before and just after it.
 
-    def __init__(self, nbytes: int):
+    `cpus`: read by one thread pinned on each of them (the decode pool's way), each its contiguous share, timed from
+    a common start to the last thread's end; None: by numba's OpenMP team (the kernels' pool)."""
+
+    def __init__(self, nbytes: int, cpus: tuple[int, ...] | None = None):
         self.data = memory.empty((nbytes // 8,), np.int64)
         self.data.fill(1)
-        _read_all(self.data)
+        self.cpus = cpus
+        self._pass()
 
     def __call__(self, repeats: int = 5) -> float:
-        return self.data.nbytes / statistics.median(_timed(lambda: _read_all(self.data)) for _ in range(repeats))
+        return self.data.nbytes / statistics.median(self._pass() for _ in range(repeats))
+
+    def _pass(self) -> float:
+        if self.cpus is None:
+            return _timed(lambda: _read_all(self.data))
+        shares = np.array_split(self.data, len(self.cpus))
+        start = threading.Barrier(len(self.cpus) + 1)
+        ends = [0.0] * len(self.cpus)
+
+        def read(i: int) -> None:
+            topology.pin_current_thread([self.cpus[i]])
+            start.wait()
+            _sum(shares[i])
+            ends[i] = time.perf_counter()
+
+        threads = [threading.Thread(target=read, args=(i,)) for i in range(len(self.cpus))]
+        for thread in threads:
+            thread.start()
+        start.wait()
+        began = time.perf_counter()
+        for thread in threads:
+            thread.join()
+        return max(ends) - began
+
+
+@njit(fastmath=True, nogil=True, cache=True)
+def _sum(data):
+    total = 0
+    for i in range(data.shape[0]):
+        total += data[i]
+    return total
 
 
 def _timed(fn) -> float:

@@ -27,10 +27,9 @@ import threading
 import time
 
 import torch
-from llvmlite import ir
-from numba import njit, types
-from numba.extending import intrinsic
+from numba import njit
 
+from cpu_experts.atomics import load_acquire32
 from cpu_experts.executor import AsyncExperts, CpuExpertsError, _ExpertsBase
 
 # int32 slots of the flags tensor: request and done on separate 64-byte lines
@@ -39,23 +38,11 @@ REQUEST, DONE = 0, 16
 _SPINS_PER_CALL = 1 << 20
 
 
-@intrinsic
-def _load_acquire(typingctx, address):
-    """An acquire load of the int32 at `address`: never hoisted out of a loop, never reordered after the reads of
-    the buffers it guards."""
-
-    def codegen(context, builder, signature, args):
-        pointer = builder.inttoptr(args[0], ir.IntType(32).as_pointer())
-        return builder.load_atomic(pointer, "acquire", 4)
-
-    return types.int32(types.int64), codegen
-
-
 @njit(nogil=True, cache=True)
 def spin_until_nonzero(address: int, max_spins: int) -> int:
     """The int32 at `address` once it is nonzero, or 0 after `max_spins` reads."""
     for _ in range(max_spins):
-        value = _load_acquire(address)
+        value = load_acquire32(address)
         if value != 0:
             return value
     return 0

@@ -2,10 +2,11 @@
 
 The model is a converted directory (`--model`) or a synthetic one built and converted on the fly by shape
 (`--synthetic qwen3-30b-a3b --layers 2`, cached under `--workdir`). Decode: `--batch` requests, each a short prompt
-then `--tokens` decode steps; prefill: one prompt of `--tokens` tokens. Per step the wall time is split into the CPU
-experts' compute (timed on their executor thread) and the rest; the bound of a decode step is the routed experts'
-bytes read per step over the memory read bandwidth measured in the same run (`cpu_experts.bench.ReadBandwidth`)
-plus the time outside the CPU experts that does not overlap them (on a CPU-only machine: all of it).
+then `--tokens` decode steps, sampled; prefill: one prompt of `--tokens` tokens. Per step the wall time is split
+into the CPU experts' compute (timed on the threads that run them) and the rest; the bound of a decode step is the
+routed experts' bytes read per step over the memory read bandwidth measured in the same run, just before and just
+after the timed steps (`cpu_experts.bench.ReadBandwidth`), plus the time outside the CPU experts that does not
+overlap them (on a CPU-only machine: all of it).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 
 from cpu_experts.bench import ReadBandwidth, last_level_cache_bytes
+from cpu_experts.decode_pool import DecodePool
 from cpu_experts.module import CpuExperts
 from cpu_experts.topology import allowed_cpus, use_kernel_threads
 from hybrid.cli_args import add_arguments, from_namespace
@@ -28,9 +30,13 @@ from hybrid.engine_config import EngineConfig
 from hybrid.layers.moe import SparseMoE
 from hybrid.llm import LLM
 from hybrid.placement import HybridExperts
+from hybrid.sampling import SamplingParams
 from hybrid.synthetic import SHAPES, write_synthetic_checkpoint
 
 DECODE_PROMPT_TOKENS = 16  # each decode request's prompt
+# Decode samples: a synthetic model decoding greedily tends to repeat one token, so every step would route to the
+# experts of the step before and read them from the last-level cache (300 MB on the H200 host), not from memory.
+DECODE_SAMPLING = SamplingParams(temperature=1.0, seed=0)
 
 
 def converted_model(args) -> Path:
@@ -121,8 +127,11 @@ def _time_steps(engine: Engine, timer: CpuExpertsTimer) -> tuple[float, list[flo
 
 def _decode(engine: Engine, prompts: list[list[int]], new_tokens: int, timer: CpuExpertsTimer):
     """(wall seconds, each step's seconds, decoded tokens) of the prompts' decode steps."""
-    ids = [engine.add_request(p, max_tokens=new_tokens, ignore_eos=True) for p in prompts]
+    ids = [engine.add_request(p, DECODE_SAMPLING, max_tokens=new_tokens, ignore_eos=True) for p in prompts]
     engine.step()  # the prompts: not part of the decode timing
+    # The prompts' step leaves numba's OpenMP threads spinning for up to ~70 ms (`topology.WORKER_SPIN_COUNT`) on
+    # the CPUs the decode pool spins on; the steady decode measured here has no prefill step before it.
+    time.sleep(0.1)
     seconds, step_seconds = _time_steps(engine, timer)
     tokens = sum(len(engine.requests.pop(i).output_ids) for i in ids) - len(ids)
     return seconds, step_seconds, tokens
@@ -138,11 +147,16 @@ def gpu_only_step_seconds(engine: Engine, llm: LLM, prompts, new_tokens: int, ti
     saved = [m.compute for m in modules]
     for m in modules:
         m.compute = lambda hidden, ids, weights, out: out.zero_()
+    pool = _decode_pool(engine)
+    if pool is not None:
+        pool.skip_compute = True
     try:
         seconds, step_seconds, _ = _decode(engine, prompts, new_tokens, timer)
     finally:
         for m, compute in zip(modules, saved, strict=True):
             m.compute = compute
+        if pool is not None:
+            pool.skip_compute = False
     return seconds / max(len(step_seconds), 1)
 
 
@@ -170,18 +184,40 @@ def _measure_decode(engine: Engine, llm: LLM, args, timer: CpuExpertsTimer) -> d
     vocab = llm.config.vocab_size
     prompts = [torch.randint(vocab, (DECODE_PROMPT_TOKENS,)).tolist() for _ in range(args.batch)]
     runner = engine.graph_runner
-    worker = runner.worker if runner is not None else None
-    replays, waited = (runner.num_replays if runner else 0), (worker.wait_seconds if worker else 0.0)
+    # who serves graph steps' CPU experts: the decode pool (timed on its own) and the worker (through `timer`)
+    servers = [s for s in (_decode_pool(engine), runner and runner.worker) if s is not None]
+    replays = runner.num_replays if runner else 0
+    before = [(s.wait_seconds, getattr(s, "compute_seconds", 0.0), getattr(s, "layers_served", 0)) for s in servers]
     seconds, step_seconds, tokens = _decode(engine, prompts, args.tokens + 1, timer)
     cpu, calls = timer.seconds, timer.calls
+    waited = 0.0
+    for server, (wait_s, compute_s, served) in zip(servers, before, strict=True):
+        waited += server.wait_seconds - wait_s
+        if isinstance(server, DecodePool):
+            cpu += server.compute_seconds - compute_s
+            calls += server.layers_served - served
     graph_steps = runner.num_replays - replays if runner is not None else 0
     # In graph steps, the CPU's wait for the GPU to reach each MoE layer: the GPU's work before and between them
     # plus the hand-off, measured on the CPU side of the flags
-    cpu_wait_s = (worker.wait_seconds - waited) / graph_steps if worker is not None and graph_steps else None
-    hot_s = hot_call_seconds(llm, engine, args.batch)
+    cpu_wait_s = waited / graph_steps if servers and graph_steps else None
+    # GPU alone before the repeated call: that call's OpenMP threads spin for a while after it (see `_decode`)
     gpu_only_s = gpu_only_step_seconds(engine, llm, prompts, args.tokens + 1, timer)
+    hot_s = hot_call_seconds(llm, engine, args.batch)
     return dict(seconds=seconds, step_seconds=step_seconds, cpu=cpu, tokens=tokens, calls=calls, hot_s=hot_s,
                 gpu_only_s=gpu_only_s, graph_steps=graph_steps, cpu_wait_s=cpu_wait_s)
+
+
+def _read_bandwidth(engine: Engine) -> ReadBandwidth:
+    """The bound's read rate, read by the threads that read the experts: the decode pool's pinned ones where it
+    serves (parked first, so they do not spin beside the reading ones), else numba's OpenMP team."""
+    pool = _decode_pool(engine)
+    if pool is not None:
+        pool.park()
+    return ReadBandwidth(max(8 * last_level_cache_bytes(), 1 << 30), pool.cpus if pool is not None else None)
+
+
+def _decode_pool(engine: Engine) -> DecodePool | None:
+    return engine.graph_runner.pool if engine.graph_runner is not None else None
 
 
 def _measure_prefill(engine: Engine, llm: LLM, args, timer: CpuExpertsTimer) -> dict:
@@ -228,7 +264,7 @@ def _warm_up(engine: Engine, llm: LLM, args) -> None:
         return
     for _ in range(2):
         engine.generate([torch.randint(vocab, (DECODE_PROMPT_TOKENS,)).tolist() for _ in range(args.batch)],
-                        max_tokens=3, ignore_eos=True)
+                        DECODE_SAMPLING, max_tokens=3, ignore_eos=True)
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -246,11 +282,13 @@ def run(args) -> dict:
     engine = Engine(llm, max_num_batched_tokens=min(llm.max_model_len, max(args.tokens, 64)),
                     max_num_seqs=max(args.batch, 1))
     _warm_up(engine, llm, args)
+    bandwidth = _read_bandwidth(engine)
+    read_before = bandwidth()
     m = (_measure_prefill if args.mode == "prefill" else _measure_decode)(engine, llm, args, timer)
+    read_bw = (read_before + bandwidth()) / 2  # the host's rate drifts: passes on both sides of the timing
     engine.close()
     kl = deferral_kl(llm)
     llm.close()
-    read_bw = ReadBandwidth(max(8 * last_level_cache_bytes(), 1 << 30))()
     routed_tokens = args.tokens if args.mode == "prefill" else args.batch
     streamed_bytes = streamed_bytes_per_step(llm, routed_tokens)
     link_bw = link_bytes_per_s(config.device) if streamed_bytes is not None else None
@@ -264,7 +302,8 @@ def run(args) -> dict:
     if streamed_bytes is not None:  # the experts cross the link instead: its time is the floor
         bound_s = streamed_bytes / link_bw
     return {"mode": args.mode, "model": str(path), "device": config.device, "batch": args.batch,
-            "cuda_graph": engine.graph_runner is not None, "gpu_experts": llm.num_gpu_experts,
+            "cuda_graph": engine.graph_runner is not None, "decode_pool": _decode_pool(engine) is not None,
+            "gpu_experts": llm.num_gpu_experts,
             "tokens_per_s": m["tokens"] / m["seconds"], "step_ms": step_s * 1e3, "steps": steps,
             "graph_steps": m["graph_steps"], "step_p50_ms": step_times[len(step_times) // 2] * 1e3,
             "step_max_ms": step_times[-1] * 1e3, "cpu_experts_ms": cpu_s * 1e3, "cpu_wait_ms": _ms(m["cpu_wait_s"]),
@@ -296,7 +335,8 @@ def main(argv: list[str], mode: str) -> int:
     gpu = "" if row["gpu_only_ms"] is None else f", GPU alone {row['gpu_only_ms']:.2f}"
     rate = f"{row['read_gb_s']:.1f} GB/s read" if row["streamed_gb"] is None else \
         f"{row['streamed_gb']:.2f} GB streamed at {row['link_gb_s']:.1f} GB/s host-to-device"
-    print(f"{mode} on {row['device']}, batch {row['batch']}, graphs {row['cuda_graph']}, GPU experts "
+    print(f"{mode} on {row['device']}, batch {row['batch']}, graphs {row['cuda_graph']}, decode pool "
+          f"{row['decode_pool']}, GPU experts "
           f"{row['gpu_experts']}: {row['tokens_per_s']:.1f} tokens/s, step {row['step_ms']:.2f} ms (CPU experts "
           f"{row['cpu_experts_ms']:.2f}, rest {row['not_cpu_ms']:.2f}{gpu}); bound {row['bound_ms']:.2f} ms at "
           f"{rate}: {row['of_bound']:.0%} of it")

@@ -22,8 +22,11 @@ import contextlib
 
 import torch
 
+from cpu_experts import decode_pool
+from cpu_experts.decode_pool import DecodePool
 from cpu_experts.flag_worker import DONE, REQUEST, FlagWorker
 from cpu_experts.module import CpuExperts
+from cpu_experts.topology import allowed_cpus
 from gpu_layers.handoff import post_flag, wait_flag
 from hybrid.block_manager import blocks_needed
 from hybrid.forward_batch import ForwardBatch, SequenceSlice
@@ -88,17 +91,18 @@ class CudaGraphRunner:
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=self.device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=self.device)
         self.cpu_modules = [m for m in self.model.modules() if isinstance(m, CpuExperts)]
-        self.worker = self.handoff = None
+        self.worker = self.handoff = self.pool = None
         if self.cpu_modules:
             executor = llm.cpu_executor
             self.worker = FlagWorker(executor, n)
             self.handoff = GraphHandoff(self.worker, self.device)
+            self.pool = self._decode_pool(executor) if cfg.cpu_decode_pool else None
+        self._armed = None  # who serves the step in flight: the pool or the worker
         # CPU requests per step: one per MoE layer, two where the layer defers experts to the next one
         self.num_requests = sum(1 + m.is_deferring for m in self.model.modules()
                                 if isinstance(m, SparseMoE) and getattr(m.experts, "is_async", False))
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
-        self._armed = False
         self.num_replays = 0
 
     def can_run(self, num_seqs: int) -> bool:
@@ -116,16 +120,28 @@ class CudaGraphRunner:
         hidden = self.model(self.input_ids[:size], self._batch(size))
         return self.model.compute_logits(hidden)  # [size, V] float32
 
+    def _decode_pool(self, executor) -> DecodePool | None:
+        """The pool where every layer's experts suit it, on the CPUs the executor's kernels use."""
+        ops = {m.layer_idx: m.op for m in self.cpu_modules}
+        if not all(decode_pool.supports(op) for op in ops.values()):
+            return None
+        return DecodePool(self.worker, ops, allowed_cpus()[:executor.num_threads or len(allowed_cpus())])
+
     def _arm(self, size: int) -> None:
         if self.worker is not None:
-            self.worker.arm(size, self.num_requests)
-            self._armed = True
+            self._armed = self.pool if self.pool is not None and self.pool.serves(size) else self.worker
+            self._armed.arm(size, self.num_requests)
 
     def finish_step(self) -> None:
         """After the host synchronised with the step: raise if the CPU side failed."""
-        if self._armed:
-            self._armed = False
-            self.worker.finish_step()
+        armed, self._armed = self._armed, None
+        if armed is not None:
+            armed.finish_step()
+
+    def park(self) -> None:
+        """Before an eager step: the pool's threads stop spinning, leaving the CPUs to its kernels."""
+        if self.pool is not None:
+            self.pool.park()
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -192,5 +208,7 @@ class CudaGraphRunner:
         return size
 
     def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
         if self.worker is not None:
             self.worker.close()

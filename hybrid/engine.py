@@ -160,6 +160,8 @@ class Engine:
         is_decode = all(c.num_new == 1 and c.is_last for c in chunks)  # each row samples its request's next token
         if runner is not None and is_decode and runner.can_run(len(seqs)):
             return runner.run(seqs, input_ids)
+        if runner is not None:
+            runner.park()
         batch = ForwardBatch.build(seqs, self.block_size, self.device)
         hidden = self.llm.model(torch.tensor(input_ids, dtype=torch.int64, device=self.device), batch)
         if not rows:

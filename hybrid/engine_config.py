@@ -37,6 +37,11 @@ class EngineConfig:
     kernels: str = field(default="auto", metadata=_help("dense layers and attention", KERNELS))
     cuda_graph: bool = field(default=True, metadata=_help(
         "replay decode steps as CUDA graphs, CPU-expert hand-off included (CUDA only)"))
+    # graph steps' CPU experts: a pool of pinned threads that spin on the hand-off's flags and run each layer in
+    # compiled code (int8 experts, W8A8 on the integer kernels); off, or for other formats, the executor's thread
+    # serves them through Python
+    cpu_decode_pool: bool = field(default=True, metadata=_help(
+        "serve CUDA-graph decode steps' CPU experts from a pool of pinned spinning threads (int8 experts)"))
     max_graph_batch: int = field(default=32, metadata=_help(
         "largest decode batch replayed as a graph (buckets 1, 2, 4, 8, ... up to it); larger ones run eagerly"))
     # converted models: routed experts per MoE layer kept on the engine's device (the most routed ones per

@@ -78,3 +78,15 @@ def test_engine_benchmarks_run_on_a_converted_model(tmp_path, capsys):
                      "--tokens", tokens, "--json"]) == 0
         row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         assert row["mode"] == mode and row["tokens_per_s"] > 0 and row["of_bound"] > 0
+
+
+def test_read_bandwidth_by_pinned_threads_and_by_openmp():
+    """The bound's read rate, measured by pinned threads (the decode pool's) or numba's team: both read it all."""
+    import numpy as np
+
+    from cpu_experts.bench import ReadBandwidth, _read_all, _sum
+
+    assert _sum(np.arange(1001, dtype=np.int64)) == _read_all(np.arange(1001, dtype=np.int64)) == 500500
+    for cpus in ((0, 0, 0), None):  # three threads sharing a CPU: each share timed to the last one's end
+        rate = ReadBandwidth(3 << 20, cpus)()
+        assert 1e8 < rate < 1e13

@@ -1,7 +1,8 @@
-"""Decode as CUDA graphs with the CPU experts' hand-off inside them (device only): a replayed step gives exactly the
-logits of the same step launched op by op, for 100 steps, with routed tokens crossing to the CPU experts and back
-inside the graph; the graph engine generates what the eager engine generates; padded buckets and mixed steps
-(prefill chunks, which run eagerly) keep every request's output."""
+"""Decode as CUDA graphs with the CPU experts' hand-off inside them (device only): a replayed step, its CPU experts
+served by the decode pool, gives exactly the logits of the same step launched op by op with the executor's worker
+serving them, for 100 steps, with routed tokens crossing to the CPU experts and back inside the graph; the graph
+engine generates what the eager engine generates; padded buckets and mixed steps (prefill chunks, which run
+eagerly) keep every request's output."""
 
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ def test_replay_equals_the_same_step_launched_eagerly_for_100_steps(converted):
     engine = Engine(llm, max_num_seqs=4)
     runner = engine.graph_runner
     assert runner is not None and sorted(runner.graphs) == [1, 2, 4]
+    pool = runner.pool  # serves the replays; the eager steps go through the executor's worker and CpuMoE
+    assert pool is not None
     assert any(isinstance(m, CpuExperts) for m in llm.model.modules())
     prompts = [prompt(n, seed=n) for n in (5, 17, 30)]  # 3 sequences: the bucket of 4 has a padding row
     tables = [llm.allocator.allocate(16) for _ in prompts]  # 30 + 100 tokens fit in 16 pages of 16
@@ -42,9 +45,11 @@ def test_replay_equals_the_same_step_launched_eagerly_for_100_steps(converted):
     tokens = [p[-1] for p in prompts]
     for step in range(100):
         seqs = [SequenceSlice(computed[i], 1, tables[i]) for i in range(3)]
+        runner.pool = None
         eager = runner.run_eagerly(seqs, tokens).clone()
         torch.cuda.synchronize()
         runner.finish_step()
+        runner.pool = pool
         replayed = runner.run(seqs, tokens)
         torch.cuda.synchronize()
         runner.finish_step()
@@ -67,7 +72,8 @@ def test_graph_engine_generates_what_the_eager_engine_generates(converted):
 
 
 def test_graph_step_error_surfaces_and_engine_recovers(converted):
-    llm = LLM(converted, device="cuda", dtype="bfloat16", max_model_len=128)
+    # the executor's worker serves the graph steps here (the decode pool's errors: tests/test_decode_pool.py)
+    llm = LLM(converted, device="cuda", dtype="bfloat16", max_model_len=128, cpu_decode_pool=False)
     engine = Engine(llm, max_num_seqs=2)
     module = next(m for m in llm.model.modules() if isinstance(m, CpuExperts))
     compute = module.compute

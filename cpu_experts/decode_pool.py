@@ -1,0 +1,466 @@
+"""`DecodePool`: pinned threads that serve the CUDA-graph hand-off's decode layers in compiled code, end to end.
+
+Why: the executor-thread path (`cpu_experts.flag_worker.FlagWorker`) returns to Python for every layer (routing,
+conversions, the kernel's dispatch: ~100 us a call, measured in the engine on the H200 host) and its kernel forks
+and joins numba's OpenMP team three times a layer, waking threads that slept through the GPU's part of the step.
+Here every thread of the pool watches the request flag itself, and a layer's phases are separated by spinning
+barriers instead of fork/join: no Python and no wake-ups between the layers of a step.
+
+Protocol (the device side is unchanged: `hybrid.cuda_graphs.GraphHandoff` on the `FlagWorker`'s flags and buffers):
+1. `arm(num_tokens, num_layers)` publishes the step in the control block and bumps its generation;
+2. every thread sees the request flag (layer + 1) and routes the step's (token, slot) pairs itself (at most a few
+   hundred ids: cheaper than sharing them);
+3. phases, each split statically over the threads and closed by a barrier: the tokens' rows to int8, then per
+   partition the gate/up rows (-> act), act's rows to int8, the down rows (each thread owns a slice of H, so the
+   output needs no reduction);
+4. the last thread to finish clears the request flag, counts the layer, opens the next one (the epoch word) and
+   posts done = layer + 1.
+Numerics: `kernels_vnni.decode_int8`'s row functions in its order of sums per output element, so a graph step
+served here equals one served by the executor, bit for bit. Scope: W8A8 int8 experts on the integer kernels
+(`CpuMoE.is_vnni`), steps below every layer's prefill threshold (`serves`); other steps stay with the `FlagWorker`.
+
+Idle: a thread that sees no step for `IDLE_SECONDS` (or is `park`ed, before an eager step) returns to Python and
+sleeps until the next `arm`; spinning past `SPINS_BEFORE_YIELD` it yields its CPU at every turn, so an
+oversubscribed machine still makes progress.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from numba import carray, njit
+
+from cpu_experts.atomics import (
+    LINE_WORDS,
+    cpu_relax,
+    cycles,
+    fetch_add64,
+    float32_pointer,
+    int8_pointer,
+    int64_pointer,
+    load_acquire32,
+    load_acquire64,
+    sched_yield,
+    store_release32,
+    store_release64,
+)
+from cpu_experts.executor import CpuExpertsError
+from cpu_experts.flag_worker import DONE, REQUEST, FlagWorker
+from cpu_experts.kernels import quantize_row
+from cpu_experts.kernels_vnni import _block_sums, _dot2_int8, _dot_int8
+from cpu_experts.operator import CpuMoE, _route
+from cpu_experts.topology import pin_current_thread
+
+IDLE_SECONDS = 0.005  # a decode step follows the last one within a millisecond; prefill steps park the pool
+SPINS_BEFORE_YIELD = 4096  # ~0.2 ms of `pause` on the H200 host's Xeon, longer than any wait inside a layer
+# Words of the control block, one 64-byte line each.
+(GEN, TOKENS, LAYERS, STOP, PARK, SKIP, BAR_COUNT, BAR_GEN, FINISHED, EPOCH, SERVED, ERROR_LAYER, ERROR_VALUE,
+ WAIT_CYCLES, COMPUTE_CYCLES, TOTAL_SERVED) = range(16)
+NUM_WORDS = 16
+NO_EXPERTS = -(1 << 62)  # ERROR_VALUE of a layer the pool has no experts for
+_LINE = 8 * LINE_WORDS
+_REQUEST_OFFSET, _DONE_OFFSET = 4 * REQUEST, 4 * DONE  # byte offsets of the int32 flags
+
+
+# ---- waiting -----------------------------------------------------------------------------------------------------
+
+@njit(nogil=True, cache=True)
+def _backoff(spins):
+    if spins < SPINS_BEFORE_YIELD:
+        cpu_relax()
+    else:
+        sched_yield()
+    return spins + 1
+
+
+@njit(nogil=True, cache=True)
+def _spin_while_equal(ctl, address, value):
+    """Until the word at `address` changes, or the pool stops (a thread died: the others must not wait for it)."""
+    spins = 0
+    while load_acquire64(address) == value and not load_acquire64(ctl + STOP * _LINE):
+        spins = _backoff(spins)
+
+
+@njit(nogil=True, cache=True)
+def _barrier(ctl, num_threads):
+    generation = load_acquire64(ctl + BAR_GEN * _LINE)  # read before arriving: only our arrival can bump it
+    if fetch_add64(ctl + BAR_COUNT * _LINE, 1) == num_threads - 1:
+        store_release64(ctl + BAR_COUNT * _LINE, 0)
+        store_release64(ctl + BAR_GEN * _LINE, generation + 1)
+    else:
+        _spin_while_equal(ctl, ctl + BAR_GEN * _LINE, generation)
+
+
+@njit(nogil=True, cache=True)
+def _wait_step(ctl, seen, idle_cycles):
+    """The next step's generation, or `seen` after `idle_cycles` without one (or when stopped or parked)."""
+    deadline, spins = cycles() + idle_cycles, 0
+    while True:
+        generation = load_acquire64(ctl + GEN * _LINE)
+        if generation != seen:
+            return generation
+        if load_acquire64(ctl + STOP * _LINE) or load_acquire64(ctl + PARK * _LINE) or cycles() > deadline:
+            return seen
+        spins = _backoff(spins)
+
+
+@njit(nogil=True, cache=True)
+def _wait_request(ctl, flags, generation):
+    """The request flag's value once posted, or 0 if the step was abandoned (a new `arm`) or the pool stopped."""
+    spins = 0
+    while True:
+        value = load_acquire32(flags + _REQUEST_OFFSET)
+        if value != 0:
+            return value
+        if load_acquire64(ctl + GEN * _LINE) != generation or load_acquire64(ctl + STOP * _LINE):
+            return 0
+        spins = _backoff(spins)
+
+
+@njit(nogil=True, cache=True)
+def _finish_layer(ctl, flags, value, num_threads, epoch):
+    """Arrive at the layer's end; the last thread clears the request, counts the layer and posts done."""
+    if fetch_add64(ctl + FINISHED * _LINE, 1) == num_threads - 1:
+        store_release64(ctl + FINISHED * _LINE, 0)
+        store_release32(flags + _REQUEST_OFFSET, 0)
+        fetch_add64(ctl + SERVED * _LINE, 1)
+        fetch_add64(ctl + TOTAL_SERVED * _LINE, 1)
+        store_release64(ctl + EPOCH * _LINE, epoch + 1)
+        store_release32(flags + _DONE_OFFSET, value)
+    else:
+        _spin_while_equal(ctl, ctl + EPOCH * _LINE, epoch)
+
+
+@njit(nogil=True, cache=True)
+def _share(total, tid, num_threads):
+    return total * tid // num_threads, total * (tid + 1) // num_threads
+
+
+# ---- one layer ---------------------------------------------------------------------------------------------------
+
+@njit(nogil=True, cache=True, fastmath=True)
+def _gate_up(tid, num_threads, experts, offsets, pair_token, gate, gate_s, up, up_s, x_q, x_scale, x_sum, group_h,
+             act):
+    rows = gate.shape[1]
+    lo, hi = _share(experts.shape[0] * rows, tid, num_threads)
+    for r in range(lo, hi):
+        u, i = r // rows, r % rows
+        e = experts[u]
+        for p in range(offsets[u], offsets[u + 1]):
+            t = pair_token[p]
+            g, v = _dot2_int8(gate[e, i], gate_s[e, i], up[e, i], up_s[e, i], x_q[t], x_sum[t], group_h)
+            g, v = g * x_scale[t], v * x_scale[t]
+            act[p, i] = g / (np.float32(1.0) + np.exp(-g)) * v
+
+
+@njit(nogil=True, cache=True, fastmath=True)
+def _down(tid, num_threads, experts, offsets, pair_token, pair_weight, down, down_s, a_q, a_scale, a_sum, group_i,
+          out, num_tokens, is_first):
+    rows = down.shape[2]
+    lo, hi = _share(down.shape[1], tid, num_threads)
+    if is_first:
+        out[:num_tokens, lo:hi] = 0
+    for h in range(lo, hi):
+        for u in range(experts.shape[0]):
+            e = experts[u]
+            for p in range(offsets[u], offsets[u + 1]):
+                dot = _dot_int8(down[e, h], down_s[e, h], a_q[p, :rows], a_sum[p], group_i)
+                out[pair_token[p], h] += pair_weight[p] * a_scale[p] * dot
+
+
+@njit(nogil=True, cache=True, fastmath=True)
+def _quantize_rows(tid, num_threads, src, num_rows, num_cols, group, q, scale, sums):
+    lo, hi = _share(num_rows, tid, num_threads)
+    for r in range(lo, hi):
+        scale[r] = quantize_row(src[r, :num_cols], q[r, :num_cols])
+        _block_sums(q[r, :num_cols], group, sums[r])
+
+
+# Columns of the slot table (one row per partition of a layer): the arrays' addresses, then their dimensions.
+GATE, GATE_S, UP, UP_S, DOWN, DOWN_S, NUM_EXPERTS, ROWS, HIDDEN, GROUPS_H, GROUPS_I, GROUP_H, GROUP_I = range(13)
+
+
+@njit(nogil=True, cache=True)
+def _slot_arrays(slots, s):
+    """Slot s's gate, gate_s, up, up_s, down, down_s as unowned arrays (`atomics.int8_pointer`)."""
+    e, rows, hidden = slots[s, NUM_EXPERTS], slots[s, ROWS], slots[s, HIDDEN]
+    weights_h, scales_h = (e, rows, hidden), (e, rows, slots[s, GROUPS_H])
+    return (carray(int8_pointer(slots[s, GATE]), weights_h), carray(float32_pointer(slots[s, GATE_S]), scales_h),
+            carray(int8_pointer(slots[s, UP]), weights_h), carray(float32_pointer(slots[s, UP_S]), scales_h),
+            carray(int8_pointer(slots[s, DOWN]), (e, hidden, rows)),
+            carray(float32_pointer(slots[s, DOWN_S]), (e, hidden, slots[s, GROUPS_I])))
+
+
+@njit(nogil=True, cache=True, fastmath=True)
+def _layer(tid, num_threads, ctl, layer, num_tokens, hidden, ids, weights, out, first_slot, num_slots, slots, x_q,
+           x_scale, x_sum, act, a_q, a_scale, a_sum):
+    """This thread's share of one MoE layer: out[:num_tokens] = the routed experts of `layer` (see the module)."""
+    top_k = ids.shape[1]
+    first = first_slot[layer] if layer < first_slot.shape[0] else -1
+    if first < 0:
+        if tid == 0:
+            store_release64(ctl + ERROR_LAYER * _LINE, layer + 1)
+            store_release64(ctl + ERROR_VALUE * _LINE, NO_EXPERTS)
+        return
+    flat_ids = ids.reshape(-1)[:num_tokens * top_k]
+    flat_weights = weights.reshape(-1)[:num_tokens * top_k]
+    experts, offsets, pair_token, pair_weight, bad = _route(flat_ids, flat_weights, top_k, slots[first, NUM_EXPERTS])
+    if bad >= 0:
+        if tid == 0:
+            store_release64(ctl + ERROR_LAYER * _LINE, layer + 1)
+            store_release64(ctl + ERROR_VALUE * _LINE, flat_ids[bad])
+        return
+    if load_acquire64(ctl + SKIP * _LINE):  # the benchmark's GPU-alone step: answer zeros at once
+        lo, hi = _share(out.shape[1], tid, num_threads)
+        out[:num_tokens, lo:hi] = 0
+        return
+    num_groups_h = slots[first, GROUPS_H]
+    _quantize_rows(tid, num_threads, hidden, num_tokens, hidden.shape[1], slots[first, GROUP_H], x_q, x_scale,
+                   x_sum[:, :num_groups_h])
+    _barrier(ctl, num_threads)
+    for s in range(first, first + num_slots[layer]):
+        gate, gate_s, up, up_s, down, down_s = _slot_arrays(slots, s)
+        _gate_up(tid, num_threads, experts, offsets, pair_token, gate, gate_s, up, up_s, x_q, x_scale,
+                 x_sum[:, :num_groups_h], slots[s, GROUP_H], act)
+        _barrier(ctl, num_threads)
+        a_sums = a_sum[:, :slots[s, GROUPS_I]]
+        _quantize_rows(tid, num_threads, act, pair_token.shape[0], slots[s, ROWS], slots[s, GROUP_I], a_q, a_scale,
+                       a_sums)
+        _barrier(ctl, num_threads)
+        _down(tid, num_threads, experts, offsets, pair_token, pair_weight, down, down_s, a_q, a_scale, a_sums,
+              slots[s, GROUP_I], out, num_tokens, s == first)
+
+
+@njit(nogil=True, cache=True)
+def _unowned_f32(a):
+    return carray(float32_pointer(a.ctypes.data), a.shape)
+
+
+@njit(nogil=True, cache=True)
+def _unowned_i8(a):
+    return carray(int8_pointer(a.ctypes.data), a.shape)
+
+
+@njit(nogil=True, cache=True)
+def _unowned_i64(a):
+    return carray(int64_pointer(a.ctypes.data), a.shape)
+
+
+@njit(nogil=True, cache=True)
+def _serve(tid, num_threads, ctl, flags, seen, idle_cycles, hidden, ids, weights, out, first_slot, num_slots, slots,
+           x_q, x_scale, x_sum, act, a_q, a_scale, a_sum):
+    """Serves steps until none comes for `idle_cycles` (or parked, or stopped); returns the last generation seen.
+    Every array the threads share is used through an unowned view (`atomics.int8_pointer`)."""
+    hidden, weights, out, act = _unowned_f32(hidden), _unowned_f32(weights), _unowned_f32(out), _unowned_f32(act)
+    x_scale, a_scale = _unowned_f32(x_scale), _unowned_f32(a_scale)
+    ids, x_sum, a_sum, slots = _unowned_i64(ids), _unowned_i64(x_sum), _unowned_i64(a_sum), _unowned_i64(slots)
+    first_slot, num_slots = _unowned_i64(first_slot), _unowned_i64(num_slots)
+    x_q, a_q = _unowned_i8(x_q), _unowned_i8(a_q)
+    while True:
+        generation = _wait_step(ctl, seen, idle_cycles)
+        if generation == seen:
+            return seen
+        seen = generation
+        num_tokens = load_acquire64(ctl + TOKENS * _LINE)
+        for _ in range(load_acquire64(ctl + LAYERS * _LINE)):
+            epoch = load_acquire64(ctl + EPOCH * _LINE)
+            waiting = cycles()
+            value = _wait_request(ctl, flags, generation)
+            if value == 0:
+                break  # abandoned: the next step (or the stop) is read by _wait_step
+            started = cycles()
+            _layer(tid, num_threads, ctl, value - 1, num_tokens, hidden, ids, weights, out, first_slot, num_slots,
+                   slots, x_q, x_scale, x_sum, act, a_q, a_scale, a_sum)
+            _finish_layer(ctl, flags, value, num_threads, epoch)
+            if tid == 0:
+                fetch_add64(ctl + WAIT_CYCLES * _LINE, started - waiting)
+                fetch_add64(ctl + COMPUTE_CYCLES * _LINE, cycles() - started)
+
+
+# ---- the pool ----------------------------------------------------------------------------------------------------
+
+def supports(op: CpuMoE) -> bool:
+    """Whether the pool can serve this layer's decode steps (W8A8 int8 on the integer kernels)."""
+    return op.spec.dtype == "int8" and op.is_w8a8 and op.is_vnni
+
+
+class DecodePool:
+    """One thread per CPU of `cpus`, serving `worker`'s flags and buffers for the layers `ops` ({layer: CpuMoE},
+    every one `supports`-ed). The host's calls mirror the worker's: `arm`, then `finish_step` once synchronised."""
+
+    def __init__(self, worker: FlagWorker, ops: dict[int, CpuMoE], cpus: Sequence[int],
+                 idle_seconds: float = IDLE_SECONDS):
+        unsupported = sorted(layer for layer, op in ops.items() if not supports(op))
+        if not ops or unsupported or not cpus:
+            raise ValueError(f"DecodePool needs CPUs and W8A8 int8 layers on the integer kernels; layers "
+                             f"{unsupported} are not, cpus={list(cpus)}")
+        if worker.dtype != torch.float32:
+            raise ValueError(f"DecodePool serves float32 staging buffers, got {worker.dtype}")
+        self.worker, self.cpus = worker, tuple(cpus)
+        self.num_threads = len(self.cpus)
+        # steps of at least this many tokens take the prefill kernels, which the pool does not have
+        self.max_tokens = min(min(op.prefill_min_tokens for op in ops.values()) - 1, worker.max_tokens)
+        *self._weights, self._weight_arrays = _layer_tables(ops)
+        self._scratch = _scratch(ops, worker.max_tokens, worker.top_k)
+        self._buffers = tuple(b.numpy() for b in (worker.hidden_buffer, worker.ids_buffer, worker.weights_buffer,
+                                                  worker.out_buffer))
+        raw = np.zeros((NUM_WORDS + 1) * LINE_WORDS, dtype=np.int64)
+        skip = (-raw.ctypes.data % _LINE) // 8
+        self.ctl = raw[skip:skip + NUM_WORDS * LINE_WORDS]  # 64-byte aligned: word w at ctl[w * LINE_WORDS]
+        self._raw = raw
+        self._cycles_per_second = _cycle_rate()
+        self._idle_cycles = int(idle_seconds * self._cycles_per_second)
+        self._expected = 0
+        self._armed = False
+        self._cond = threading.Condition()
+        self._stopping = False
+        self.error: BaseException | None = None  # a thread's crash; the pool then serves nothing
+        self._threads = [threading.Thread(target=self._thread_main, args=(tid,), name=f"decode-pool-{tid}",
+                                          daemon=True) for tid in range(self.num_threads)]
+        for thread in self._threads:
+            thread.start()
+
+    # -- host side, one thread (the engine's) --
+
+    def serves(self, num_tokens: int) -> bool:
+        return self.error is None and 1 <= num_tokens <= self.max_tokens
+
+    def arm(self, num_tokens: int, num_layers: int) -> None:
+        if not self.serves(num_tokens):
+            raise ValueError(f"the decode pool serves steps of 1 to {self.max_tokens} tokens, got {num_tokens}")
+        if self._armed:
+            raise RuntimeError("arm() called while the previous step is still being served: call finish_step()")
+        with self._cond:
+            for word, value in ((TOKENS, num_tokens), (LAYERS, num_layers), (SERVED, 0), (ERROR_LAYER, 0),
+                                (PARK, 0)):
+                self._set(word, value)
+            self._set(GEN, self._get(GEN) + 1)  # last: the threads read the step once they see it
+            self._cond.notify_all()
+        self._expected, self._armed = num_layers, True
+
+    def finish_step(self) -> None:
+        """After the host synchronised with the step's GPU work: raise if a layer failed or was not served."""
+        if not self._armed:
+            return
+        self._armed = False
+        served, layer = self._get(SERVED), self._get(ERROR_LAYER)
+        if served != self._expected:
+            self.worker.flags.zero_()  # abandon the step: the threads drop it at the next arm
+            raise CpuExpertsError(f"the decode pool served {served} of {self._expected} MoE layers of the step "
+                                  f"(a device-side wait timed out{', or ' + repr(self.error) if self.error else ''})")
+        if layer:
+            value = self._get(ERROR_VALUE)
+            what = "no experts in the decode pool" if value == NO_EXPERTS else f"topk_ids holds expert {value}"
+            raise CpuExpertsError(f"CPU experts failed at layer {layer - 1}: {what}")
+
+    def park(self) -> None:
+        """Ends the threads' idle spinning now (an eager step's kernels want the CPUs)."""
+        self._set(PARK, 1)
+
+    @property
+    def skip_compute(self) -> bool:
+        return bool(self._get(SKIP))
+
+    @skip_compute.setter
+    def skip_compute(self, value: bool) -> None:
+        """Answer every layer with zeros at once (the benchmark's GPU-alone step)."""
+        self._set(SKIP, int(value))
+
+    @property
+    def compute_seconds(self) -> float:
+        """Total seconds from seeing a layer's request to its end (thread 0's view)."""
+        return self._get(COMPUTE_CYCLES) / self._cycles_per_second
+
+    @property
+    def layers_served(self) -> int:
+        """Layers served since the pool started."""
+        return self._get(TOTAL_SERVED)
+
+    @property
+    def wait_seconds(self) -> float:
+        """Total seconds waiting for the GPU to post a layer (thread 0's view)."""
+        return self._get(WAIT_CYCLES) / self._cycles_per_second
+
+    def close(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._set(STOP, 1)
+            self._cond.notify_all()
+        for thread in self._threads:
+            thread.join(timeout=5)
+
+    # -- threads --
+
+    def _get(self, word: int) -> int:
+        return int(self.ctl[word * LINE_WORDS])
+
+    def _set(self, word: int, value: int) -> None:
+        self.ctl[word * LINE_WORDS] = value
+
+    def _thread_main(self, tid: int) -> None:
+        pin_current_thread([self.cpus[tid]])
+        seen = 0
+        try:
+            while True:
+                with self._cond:
+                    while self._get(GEN) == seen and not self._stopping:
+                        self._cond.wait()
+                if self._stopping:
+                    return
+                seen = _serve(tid, self.num_threads, self.ctl.ctypes.data, self.worker.flags.data_ptr(), seen,
+                              self._idle_cycles, *self._buffers, *self._weights, *self._scratch)
+        except BaseException as exc:  # noqa: BLE001 (reported by finish_step; the engine falls back)
+            self.error = exc
+            self._set(STOP, 1)  # the other threads leave their barriers instead of waiting for this one
+
+
+def _layer_tables(ops: dict[int, CpuMoE]) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[np.ndarray]]:
+    """Per layer its first slot and slot count ([max layer + 1], -1: none); the slot table (see GATE ...); and the
+    arrays the table points into, which the pool keeps alive."""
+    num_layers = max(ops) + 1
+    first_slot = np.full(num_layers, -1, dtype=np.int64)
+    num_slots = np.zeros(num_layers, dtype=np.int64)
+    rows, keep = [], []
+    for layer in sorted(ops):
+        op = ops[layer]
+        first_slot[layer], num_slots[layer] = len(rows), len(op.layer.partitions)
+        for part in op.layer.partitions:
+            arrays = [np.ascontiguousarray(a) for a in (part.gate, part.gate_scales, part.up, part.up_scales,
+                                                          part.down, part.down_scales)]
+            keep += arrays
+            num_experts, size, hidden = part.gate.shape
+            rows.append([a.ctypes.data for a in arrays] + [
+                num_experts, size, hidden, part.gate_scales.shape[2], part.down_scales.shape[2],
+                op.spec.group(op.spec.hidden_size), op.spec.group_size or part.size])
+    return first_slot, num_slots, np.array(rows, dtype=np.int64), keep
+
+
+def _scratch(ops: dict[int, CpuMoE], max_tokens: int, top_k: int) -> tuple:
+    """Buffers the threads share: x_q, x_scale, x_sum [T, G_h]; act, a_q [P, I_part], a_scale, a_sum [P, G_i]."""
+    parts = [(op, part) for op in ops.values() for part in op.layer.partitions]
+    hidden = parts[0][0].spec.hidden_size
+    max_rows = max(part.size for _, part in parts)
+    groups_h = max(part.gate_scales.shape[2] for _, part in parts)
+    groups_i = max(part.down_scales.shape[2] for _, part in parts)
+    max_pairs = max_tokens * top_k
+    return (np.zeros((max_tokens, hidden), np.int8), np.zeros(max_tokens, np.float32),
+            np.zeros((max_tokens, groups_h), np.int64), np.zeros((max_pairs, max_rows), np.float32),
+            np.zeros((max_pairs, max_rows), np.int8), np.zeros(max_pairs, np.float32),
+            np.zeros((max_pairs, groups_i), np.int64))
+
+
+@njit(nogil=True, cache=True)
+def _read_cycles():
+    return cycles()
+
+
+def _cycle_rate(seconds: float = 0.02) -> float:
+    """Cycle-counter ticks per second, against the wall clock."""
+    _read_cycles()  # compiled (or loaded) outside the timing
+    start_t, start_c = time.perf_counter(), _read_cycles()
+    time.sleep(seconds)
+    return (_read_cycles() - start_c) / (time.perf_counter() - start_t)

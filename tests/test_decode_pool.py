@@ -1,0 +1,188 @@
+"""The decode pool (`cpu_experts.decode_pool`) against the operator it replaces in graph steps (`CpuMoE`, integer
+kernels), with a Python thread playing the GPU's side of the flags: outputs equal bit for bit over several steps
+and layers (per-channel and grouped int8, 1 and 3 partitions, 1 to 7 tokens, -1 ids, a token routed nowhere,
+consecutive requests of one layer as deferral posts them), on 1 to 3 threads; a bad expert id and a layer never
+posted surface at `finish_step` and the next step is served; an idle pool sleeps and wakes for the next step."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from cpu_experts.decode_pool import DecodePool, supports
+from cpu_experts.executor import AsyncExperts, CpuExpertsError
+from cpu_experts.flag_worker import DONE, REQUEST, FlagWorker
+from cpu_experts.operator import CpuMoE
+from cpu_experts.packed import PackedLayer
+
+E, H, I, TOP_K = 8, 160, 200, 3  # noqa: E741 (the shape letters of the project); H: five 32-byte blocks, I: tails
+
+
+def make_ops(group: int, partitions: int, layers=(0, 2, 3)) -> dict[int, CpuMoE]:
+    ops = {}
+    for layer in layers:
+        gen = torch.Generator().manual_seed(layer)
+        ws = [torch.randn(shape, generator=gen) * 0.1 for shape in ((E, I, H), (E, I, H), (E, H, I))]
+        op = CpuMoE(PackedLayer.from_float(*ws, "int8", group, partitions), prefill_min_tokens=8)
+        op.is_vnni = True  # the integer kernels (their generic form on a CPU without VNNI)
+        ops[layer] = op
+    return ops
+
+
+def make_pool(ops, num_threads: int, max_tokens: int = 8):
+    executor = AsyncExperts(lambda *a: None, max_tokens=max_tokens, hidden_size=H, top_k=TOP_K, pin_memory=False)
+    worker = FlagWorker(executor, max_tokens=max_tokens, pin_memory=False)
+    return DecodePool(worker, ops, cpus=[0] * num_threads), executor
+
+
+def play_gpu(worker: FlagWorker, requests, hidden, ids, weights) -> list[torch.Tensor]:
+    """The device side of one step, on the host (what GraphHandoff's captured copies and kernels do)."""
+    num_tokens, outputs = hidden.shape[0], []
+    for layer in requests:
+        worker.hidden_buffer[:num_tokens] = hidden * (layer + 1)
+        worker.ids_buffer[:num_tokens] = ids
+        worker.weights_buffer[:num_tokens] = weights
+        worker.flags[REQUEST] = layer + 1
+        deadline = time.monotonic() + 30
+        while int(worker.flags[DONE]) != layer + 1:
+            assert time.monotonic() < deadline, f"layer {layer} was never served"
+        worker.flags[DONE] = 0
+        outputs.append(worker.out_buffer[:num_tokens].clone())
+    return outputs
+
+
+def inputs(num_tokens: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(num_tokens, H, generator=gen)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:TOP_K] for _ in range(num_tokens)])
+    ids[torch.rand(ids.shape, generator=gen) < 0.25] = -1  # experts computed elsewhere (on the GPU)
+    if num_tokens > 1:
+        ids[0] = -1  # a token with nothing to compute on the CPU
+    return hidden, ids, torch.rand(num_tokens, TOP_K, generator=gen)
+
+
+@pytest.mark.parametrize("group,partitions,num_threads", [(0, 1, 2), (64, 3, 3), (0, 3, 1)])
+def test_steps_equal_the_operator(group, partitions, num_threads):
+    ops = make_ops(group, partitions)
+    pool, executor = make_pool(ops, num_threads)
+    try:
+        for step, num_tokens in enumerate([1, 7, 2, 1]):
+            hidden, ids, weights = inputs(num_tokens, step)
+            requests = [0, 2, 2, 3]  # layer 2 twice in a row: a deferring layer's second request
+            pool.arm(num_tokens, len(requests))
+            outputs = play_gpu(pool.worker, requests, hidden, ids, weights)
+            pool.finish_step()
+            for layer, got in zip(requests, outputs, strict=True):
+                want = ops[layer](hidden * (layer + 1), ids, weights)
+                torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"step {step} layer {layer}")
+            assert outputs[1][-1].abs().sum() > 0 and (num_tokens == 1 or not outputs[0][0].any())
+    finally:
+        pool.close()
+        executor.close()
+
+
+def test_bad_id_and_missing_layer_reported_then_next_step_served():
+    ops = make_ops(0, 1, layers=(0, 1))
+    pool, executor = make_pool(ops, 2)
+    try:
+        hidden, ids, weights = inputs(2, 0)
+        bad = ids.clone()
+        bad[1, 1] = E
+        pool.arm(2, 2)
+        play_gpu(pool.worker, [0], hidden, ids, weights)
+        play_gpu(pool.worker, [1], hidden, bad, weights)  # the GPU is never left waiting
+        with pytest.raises(CpuExpertsError, match=f"layer 1: topk_ids holds expert {E}"):
+            pool.finish_step()
+        pool.arm(2, 1)
+        play_gpu(pool.worker, [5], hidden, ids, weights)
+        with pytest.raises(CpuExpertsError, match="layer 5: no experts in the decode pool"):
+            pool.finish_step()
+        pool.arm(2, 2)
+        play_gpu(pool.worker, [0], hidden, ids, weights)  # the second layer is never posted
+        with pytest.raises(CpuExpertsError, match="served 1 of 2"):
+            pool.finish_step()
+        pool.arm(2, 2)
+        got = play_gpu(pool.worker, [0, 1], hidden, ids, weights)
+        pool.finish_step()
+        torch.testing.assert_close(got[1], ops[1](hidden * 2, ids, weights), rtol=0, atol=0)
+    finally:
+        pool.close()
+        executor.close()
+
+
+def test_idle_pool_sleeps_and_wakes_skip_and_timing():
+    ops = make_ops(0, 1, layers=(0,))
+    executor = AsyncExperts(lambda *a: None, max_tokens=4, hidden_size=H, top_k=TOP_K, pin_memory=False)
+    worker = FlagWorker(executor, max_tokens=4, pin_memory=False)
+    pool = DecodePool(worker, ops, cpus=[0, 0], idle_seconds=0.001)
+    try:
+        assert pool.serves(1) and pool.serves(4) and not pool.serves(5) and not pool.serves(0)
+        hidden, ids, weights = inputs(3, 1)
+        for _ in range(2):
+            time.sleep(0.05)  # the threads went back to Python and sleep
+            pool.arm(3, 1)
+            time.sleep(0.02)  # the device's work before the MoE layer
+            got = play_gpu(worker, [0], hidden, ids, weights)[0]
+            pool.finish_step()
+            torch.testing.assert_close(got, ops[0](hidden, ids, weights), rtol=0, atol=0)
+        assert 0.02 < pool.wait_seconds < 5 and 0 < pool.compute_seconds < 5
+        pool.skip_compute = True
+        pool.arm(3, 1)
+        assert not play_gpu(worker, [0], hidden, ids, weights)[0].any()
+        pool.finish_step()
+        pool.park()
+    finally:
+        pool.close()
+        executor.close()
+    assert not any(t.is_alive() for t in pool._threads)
+
+
+def test_supports_and_refuses():
+    ops = make_ops(0, 1, layers=(0,))
+    assert supports(ops[0])
+    ops[0].is_vnni = False  # the float kernels: not what the pool computes
+    assert not supports(ops[0])
+    executor = AsyncExperts(lambda *a: None, max_tokens=4, hidden_size=H, top_k=TOP_K, pin_memory=False)
+    worker = FlagWorker(executor, max_tokens=4, pin_memory=False)
+    try:
+        with pytest.raises(ValueError, match=r"layers \[0\] are not"):
+            DecodePool(worker, ops, cpus=[0])
+    finally:
+        executor.close()
+    assert np.dtype(np.int64).itemsize == 8
+
+
+def test_a_dead_thread_stops_the_pool_and_is_reported(monkeypatch):
+    """A thread that fails leaves the others no barrier to wait at forever: they return, `finish_step` names the
+    failure, and the pool serves no more steps (the engine's worker takes them)."""
+    from cpu_experts import decode_pool
+
+    serve, returned = decode_pool._serve, []
+
+    def failing(tid, *args):
+        if tid == 1:
+            raise MemoryError("no scratch for thread 1")
+        result = serve(tid, *args)
+        returned.append(tid)
+        return result
+
+    monkeypatch.setattr(decode_pool, "_serve", failing)
+    ops = make_ops(0, 1, layers=(0,))
+    pool, executor = make_pool(ops, 2)
+    try:
+        pool.arm(2, 1)
+        pool.worker.flags[REQUEST] = 1  # thread 0 starts the layer and waits for thread 1 at the first barrier
+        deadline = time.monotonic() + 10
+        while not returned:  # thread 0 left the barrier and the step once thread 1 died
+            assert time.monotonic() < deadline, "thread 0 still waits for the dead thread"
+            time.sleep(0.01)
+        with pytest.raises(CpuExpertsError, match="served 0 of 1.*no scratch for thread 1"):
+            pool.finish_step()
+        assert not pool.serves(1)
+    finally:
+        pool.close()
+        executor.close()
+    assert not any(t.is_alive() for t in pool._threads)
