@@ -10,7 +10,9 @@ CPU experts inside the graph: while capturing, each `CpuExperts` module is bound
 executor API, `submit`/`sync`, done with device work only): submit copies the layer's routed tokens into the
 `FlagWorker`'s pinned buffers and posts the layer on a flag; the shared and GPU-resident experts run; sync waits
 on the GPU for the worker's done flag and copies the output back. The host arms the worker before each replay and
-checks it once the step has synchronised (`finish_step`).
+checks it once the step has synchronised (`finish_step`). Where the layers' experts suit it, the same flags and
+buffers are served by `cpu_experts.decode_pool.DecodePool` instead (steps below the prefill kernels' threshold);
+the device side cannot tell the two apart.
 
 Contract with the engine: `can_run(num_seqs)`, `run(seqs, input_ids) -> logits [num_seqs, V]` (a view of the
 graph's output, valid until the next step), then `finish_step()` after the host has read what it needs.
@@ -22,8 +24,7 @@ import contextlib
 
 import torch
 
-from cpu_experts import decode_pool
-from cpu_experts.decode_pool import DecodePool
+from cpu_experts.decode_pool import DecodePool, supports
 from cpu_experts.flag_worker import DONE, REQUEST, FlagWorker
 from cpu_experts.module import CpuExperts
 from cpu_experts.topology import allowed_cpus
@@ -121,9 +122,10 @@ class CudaGraphRunner:
         return self.model.compute_logits(hidden)  # [size, V] float32
 
     def _decode_pool(self, executor) -> DecodePool | None:
-        """The pool where every layer's experts suit it, on the CPUs the executor's kernels use."""
+        """The pool on the CPUs the executor's kernels use; None where a layer's experts do not suit it (int4 or
+        bf16 experts, float activations, a CPU without VNNI): the worker then serves every graph step."""
         ops = {m.layer_idx: m.op for m in self.cpu_modules}
-        if not all(decode_pool.supports(op) for op in ops.values()):
+        if not all(supports(op) for op in ops.values()):
             return None
         return DecodePool(self.worker, ops, allowed_cpus()[:executor.num_threads or len(allowed_cpus())])
 

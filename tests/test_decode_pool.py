@@ -124,11 +124,11 @@ def test_idle_pool_sleeps_and_wakes_skip_and_timing():
         for _ in range(2):
             time.sleep(0.05)  # the threads went back to Python and sleep
             pool.arm(3, 1)
-            time.sleep(0.02)  # the device's work before the MoE layer
+            time.sleep(0.05)  # the device's work before the MoE layer
             got = play_gpu(worker, [0], hidden, ids, weights)[0]
             pool.finish_step()
             torch.testing.assert_close(got, ops[0](hidden, ids, weights), rtol=0, atol=0)
-        assert 0.02 < pool.wait_seconds < 5 and 0 < pool.compute_seconds < 5
+        assert 0.05 < pool.wait_seconds < 5 and 0 < pool.compute_seconds < 5  # two steps, each waited ~0.05 s
         pool.skip_compute = True
         pool.arm(3, 1)
         assert not play_gpu(worker, [0], hidden, ids, weights)[0].any()
