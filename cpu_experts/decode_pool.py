@@ -15,7 +15,7 @@ Protocol (the device side is unchanged: `hybrid.cuda_graphs.GraphHandoff` on the
    output needs no reduction);
 4. the last thread to finish clears the request flag, counts the layer, opens the next one (the epoch word) and
    posts done = layer + 1.
-Numerics: `kernels_vnni.decode_int8`'s row functions in its order of sums per output element, so a graph step
+Numerics: `kernels_vnni.decode_int8`'s own loop bodies (`gate_up_item_int8`, `down_row_int8`), so a graph step
 served here equals one served by the executor, bit for bit. Scope: W8A8 int8 experts on the integer kernels
 (`CpuMoE.is_vnni`), steps below every layer's prefill threshold (`serves`); other steps stay with the `FlagWorker`.
 
@@ -51,7 +51,7 @@ from cpu_experts.atomics import (
 from cpu_experts.executor import CpuExpertsError
 from cpu_experts.flag_worker import DONE, REQUEST, FlagWorker
 from cpu_experts.kernels import quantize_row
-from cpu_experts.kernels_vnni import _block_sums, _dot2_int8, _dot_int8
+from cpu_experts.kernels_vnni import _block_sums, down_row_int8, gate_up_item_int8
 from cpu_experts.operator import CpuMoE, _route
 from cpu_experts.topology import pin_current_thread
 
@@ -145,31 +145,19 @@ def _share(total, tid, num_threads):
 @njit(nogil=True, cache=True, fastmath=True)
 def _gate_up(tid, num_threads, experts, offsets, pair_token, gate, gate_s, up, up_s, x_q, x_scale, x_sum, group_h,
              act):
-    rows = gate.shape[1]
-    lo, hi = _share(experts.shape[0] * rows, tid, num_threads)
+    lo, hi = _share(experts.shape[0] * gate.shape[1], tid, num_threads)
     for r in range(lo, hi):
-        u, i = r // rows, r % rows
-        e = experts[u]
-        for p in range(offsets[u], offsets[u + 1]):
-            t = pair_token[p]
-            g, v = _dot2_int8(gate[e, i], gate_s[e, i], up[e, i], up_s[e, i], x_q[t], x_sum[t], group_h)
-            g, v = g * x_scale[t], v * x_scale[t]
-            act[p, i] = g / (np.float32(1.0) + np.exp(-g)) * v
+        gate_up_item_int8(r, experts, offsets, pair_token, gate, gate_s, up, up_s, x_q, x_scale, x_sum, group_h, act)
 
 
 @njit(nogil=True, cache=True, fastmath=True)
 def _down(tid, num_threads, experts, offsets, pair_token, pair_weight, down, down_s, a_q, a_scale, a_sum, group_i,
           out, num_tokens, is_first):
-    rows = down.shape[2]
     lo, hi = _share(down.shape[1], tid, num_threads)
     if is_first:
         out[:num_tokens, lo:hi] = 0
     for h in range(lo, hi):
-        for u in range(experts.shape[0]):
-            e = experts[u]
-            for p in range(offsets[u], offsets[u + 1]):
-                dot = _dot_int8(down[e, h], down_s[e, h], a_q[p, :rows], a_sum[p], group_i)
-                out[pair_token[p], h] += pair_weight[p] * a_scale[p] * dot
+        down_row_int8(h, experts, offsets, pair_token, pair_weight, down, down_s, a_q, a_scale, a_sum, group_i, out)
 
 
 @njit(nogil=True, cache=True, fastmath=True)

@@ -354,23 +354,40 @@ def decode_int8(x, experts, offsets, pair_token, pair_weight, gate, gate_s, up, 
     prepare_int8(x, group_h, x_q, x_scale, x_sum)
     act = np.empty((num_pairs, rows), dtype=np.float32)
     for r in prange(experts.shape[0] * rows):
-        u, i = r // rows, r % rows
-        e = experts[u]
-        for p in range(offsets[u], offsets[u + 1]):
-            t = pair_token[p]
-            g, v = _dot2_int8(gate[e, i], gate_s[e, i], up[e, i], up_s[e, i], x_q[t], x_sum[t], group_h)
-            g, v = g * x_scale[t], v * x_scale[t]
-            act[p, i] = g / (np.float32(1.0) + np.exp(-g)) * v
+        gate_up_item_int8(r, experts, offsets, pair_token, gate, gate_s, up, up_s, x_q, x_scale, x_sum, group_h, act)
     a_q = np.empty(act.shape, dtype=np.int8)
     a_scale = np.empty(num_pairs, dtype=np.float32)
     a_sum = np.empty((num_pairs, down_s.shape[2]), dtype=np.int64)
     prepare_int8(act, group_i, a_q, a_scale, a_sum)
     for h in prange(down.shape[1]):
-        for u in range(experts.shape[0]):
-            e = experts[u]
-            for p in range(offsets[u], offsets[u + 1]):
-                dot = _dot_int8(down[e, h], down_s[e, h], a_q[p], a_sum[p], group_i)
-                out[pair_token[p], h] += pair_weight[p] * a_scale[p] * dot
+        down_row_int8(h, experts, offsets, pair_token, pair_weight, down, down_s, a_q, a_scale, a_sum, group_i, out)
+
+
+# The bodies of decode_int8's two loops, shared with `cpu_experts.decode_pool` (which splits the same items over its
+# own threads), so the two compute every output element with the same sums in the same order.
+
+@njit(fastmath=True, cache=True)
+def gate_up_item_int8(r, experts, offsets, pair_token, gate, gate_s, up, up_s, x_q, x_scale, x_sum, group_h, act):
+    """Work item r = (routed expert u, row i): act[p, i] = silu(gate . x_t) * (up . x_t) for u's pairs p."""
+    rows = gate.shape[1]
+    u, i = r // rows, r % rows
+    e = experts[u]
+    for p in range(offsets[u], offsets[u + 1]):
+        t = pair_token[p]
+        g, v = _dot2_int8(gate[e, i], gate_s[e, i], up[e, i], up_s[e, i], x_q[t], x_sum[t], group_h)
+        g, v = g * x_scale[t], v * x_scale[t]
+        act[p, i] = g / (np.float32(1.0) + np.exp(-g)) * v
+
+
+@njit(fastmath=True, cache=True)
+def down_row_int8(h, experts, offsets, pair_token, pair_weight, down, down_s, a_q, a_scale, a_sum, group_i, out):
+    """Output column h: out[t, h] += w * (down[e, h] . act_p) over every routed expert e and its pairs p."""
+    rows = down.shape[2]  # a_q may be wider (the pool's scratch)
+    for u in range(experts.shape[0]):
+        e = experts[u]
+        for p in range(offsets[u], offsets[u + 1]):
+            dot = _dot_int8(down[e, h], down_s[e, h], a_q[p, :rows], a_sum[p], group_i)
+            out[pair_token[p], h] += pair_weight[p] * a_scale[p] * dot
 
 
 @njit(**FLAGS)

@@ -184,27 +184,30 @@ def _measure_decode(engine: Engine, llm: LLM, args, timer: CpuExpertsTimer) -> d
     vocab = llm.config.vocab_size
     prompts = [torch.randint(vocab, (DECODE_PROMPT_TOKENS,)).tolist() for _ in range(args.batch)]
     runner = engine.graph_runner
-    # who serves graph steps' CPU experts: the decode pool (timed on its own) and the worker (through `timer`)
-    servers = [s for s in (_decode_pool(engine), runner and runner.worker) if s is not None]
     replays = runner.num_replays if runner else 0
-    before = [(s.wait_seconds, getattr(s, "compute_seconds", 0.0), getattr(s, "layers_served", 0)) for s in servers]
+    start = _graph_serving(engine)
     seconds, step_seconds, tokens = _decode(engine, prompts, args.tokens + 1, timer)
-    cpu, calls = timer.seconds, timer.calls
-    waited = 0.0
-    for server, (wait_s, compute_s, served) in zip(servers, before, strict=True):
-        waited += server.wait_seconds - wait_s
-        if isinstance(server, DecodePool):
-            cpu += server.compute_seconds - compute_s
-            calls += server.layers_served - served
+    waited, pool_s, pool_calls = (now - then for now, then in zip(_graph_serving(engine), start, strict=True))
+    cpu, calls = timer.seconds + pool_s, timer.calls + pool_calls
     graph_steps = runner.num_replays - replays if runner is not None else 0
     # In graph steps, the CPU's wait for the GPU to reach each MoE layer: the GPU's work before and between them
     # plus the hand-off, measured on the CPU side of the flags
-    cpu_wait_s = waited / graph_steps if servers and graph_steps else None
+    cpu_wait_s = waited / graph_steps if runner is not None and runner.worker is not None and graph_steps else None
     # GPU alone before the repeated call: that call's OpenMP threads spin for a while after it (see `_decode`)
     gpu_only_s = gpu_only_step_seconds(engine, llm, prompts, args.tokens + 1, timer)
     hot_s = hot_call_seconds(llm, engine, args.batch)
     return dict(seconds=seconds, step_seconds=step_seconds, cpu=cpu, tokens=tokens, calls=calls, hot_s=hot_s,
                 gpu_only_s=gpu_only_s, graph_steps=graph_steps, cpu_wait_s=cpu_wait_s)
+
+
+def _graph_serving(engine: Engine) -> tuple[float, float, int]:
+    """Totals so far of graph steps' CPU side: seconds waiting for the GPU (worker and pool), and the pool's compute
+    seconds and layers (the worker's compute goes through the modules, which `timer` counts)."""
+    runner, pool = engine.graph_runner, _decode_pool(engine)
+    waited = runner.worker.wait_seconds if runner is not None and runner.worker is not None else 0.0
+    if pool is None:
+        return waited, 0.0, 0
+    return waited + pool.wait_seconds, pool.compute_seconds, pool.layers_served
 
 
 def _read_bandwidth(engine: Engine) -> ReadBandwidth:

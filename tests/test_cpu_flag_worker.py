@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+from handoff_support import play_gpu
 
 from cpu_experts.executor import AsyncExperts, CpuExpertsError
 from cpu_experts.flag_worker import DONE, REQUEST, FlagWorker, spin_until_nonzero
@@ -21,23 +22,6 @@ def compute(layer, hidden, topk_ids, topk_weights, out):
     """A stand-in for the experts: depends on the layer, the rows and their ids (-1 rows give zero)."""
     routed = (topk_ids >= 0).to(hidden.dtype) * topk_weights
     out.copy_(hidden * (layer + 1) * routed.sum(dim=1, keepdim=True))
-
-
-def play_gpu(worker: FlagWorker, layers: list[int], hidden: torch.Tensor, ids: torch.Tensor,
-             weights: torch.Tensor) -> list[torch.Tensor]:
-    """The device side of one step, on the host: what GraphHandoff's captured copies and kernels do."""
-    num_tokens, outputs = hidden.shape[0], []
-    for layer in layers:
-        worker.hidden_buffer[:num_tokens] = hidden * (layer + 1)
-        worker.ids_buffer[:num_tokens] = ids
-        worker.weights_buffer[:num_tokens] = weights
-        worker.flags[REQUEST] = layer + 1
-        deadline = time.monotonic() + 10
-        while int(worker.flags[DONE]) != layer + 1:
-            assert time.monotonic() < deadline, f"layer {layer} was never served"
-        worker.flags[DONE] = 0
-        outputs.append(worker.out_buffer[:num_tokens].clone())
-    return outputs
 
 
 def make_worker(fn=compute, max_tokens=4) -> FlagWorker:

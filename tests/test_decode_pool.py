@@ -6,17 +6,20 @@ posted surface at `finish_step` and the next step is served; an idle pool sleeps
 
 from __future__ import annotations
 
+import functools
 import time
 
-import numpy as np
 import pytest
 import torch
+from handoff_support import play_gpu as play_gpu_within
 
 from cpu_experts.decode_pool import DecodePool, supports
 from cpu_experts.executor import AsyncExperts, CpuExpertsError
-from cpu_experts.flag_worker import DONE, REQUEST, FlagWorker
+from cpu_experts.flag_worker import REQUEST, FlagWorker
 from cpu_experts.operator import CpuMoE
 from cpu_experts.packed import PackedLayer
+
+play_gpu = functools.partial(play_gpu_within, timeout_s=30)  # a first call compiles the pool's kernels
 
 E, H, I, TOP_K = 8, 160, 200, 3  # noqa: E741 (the shape letters of the project); H: five 32-byte blocks, I: tails
 
@@ -36,22 +39,6 @@ def make_pool(ops, num_threads: int, max_tokens: int = 8):
     executor = AsyncExperts(lambda *a: None, max_tokens=max_tokens, hidden_size=H, top_k=TOP_K, pin_memory=False)
     worker = FlagWorker(executor, max_tokens=max_tokens, pin_memory=False)
     return DecodePool(worker, ops, cpus=[0] * num_threads), executor
-
-
-def play_gpu(worker: FlagWorker, requests, hidden, ids, weights) -> list[torch.Tensor]:
-    """The device side of one step, on the host (what GraphHandoff's captured copies and kernels do)."""
-    num_tokens, outputs = hidden.shape[0], []
-    for layer in requests:
-        worker.hidden_buffer[:num_tokens] = hidden * (layer + 1)
-        worker.ids_buffer[:num_tokens] = ids
-        worker.weights_buffer[:num_tokens] = weights
-        worker.flags[REQUEST] = layer + 1
-        deadline = time.monotonic() + 30
-        while int(worker.flags[DONE]) != layer + 1:
-            assert time.monotonic() < deadline, f"layer {layer} was never served"
-        worker.flags[DONE] = 0
-        outputs.append(worker.out_buffer[:num_tokens].clone())
-    return outputs
 
 
 def inputs(num_tokens: int, seed: int):
@@ -152,7 +139,6 @@ def test_supports_and_refuses():
             DecodePool(worker, ops, cpus=[0])
     finally:
         executor.close()
-    assert np.dtype(np.int64).itemsize == 8
 
 
 def test_a_dead_thread_stops_the_pool_and_is_reported(monkeypatch):
