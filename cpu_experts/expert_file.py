@@ -9,7 +9,9 @@ columns of down); slice boundaries are multiples of the group size, so every sli
 Tensors (E experts, H hidden, I intermediate, G = ceil(K / group_size) scale groups along the input K):
     gate.weight [E, I, H]   up.weight [E, I, H]   down.weight [E, H, I]
     gate.scales [E, I, G_H] up.scales [E, I, G_H] down.scales [E, H, G_I]   (`scale_dtype`; absent for bf16)
-`weight` is int8 (int8), packed uint8 with K/2 columns (int4, see `cpu_experts.formats`) or bfloat16 (bf16).
+`weight` is int8 (int8), packed uint8 with K/2 columns (int4, mxfp4, nvfp4: see `cpu_experts.formats`), uint8
+e4m3 bits (fp8) or bfloat16 (bf16). NVFP4 adds `{role}.tensor_scale` [E] float32 (one per expert's projection);
+MXFP4 scales are E8M0 and NVFP4's e4m3, both as uint8 bits.
 Scales are float32, or bfloat16 for int4 experts copied from a checkpoint that stores them so (Kimi-K2's
 compressed-tensors INT4): kept as stored, since at group 32 float32 scales would add 11% to the bytes a decode
 step reads; the int4 kernels widen them (exactly) in registers.
@@ -23,8 +25,15 @@ import torch
 
 from cpu_experts import formats
 
-EXPERT_DTYPES = ("int8", "int4", "bf16")
-SCALE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+EXPERT_DTYPES = ("int8", "int4", "bf16", "fp8", "mxfp4", "nvfp4")
+# e8m0 and e4m3 scales are stored as their bits (uint8), like the float formats' weights
+SCALE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "e8m0": torch.uint8, "e4m3": torch.uint8}
+# per expert dtype: the scale dtypes it allows (the first is the quantizer's) and the group size it requires (None:
+# any group; the FP4 formats fix theirs)
+ALLOWED_SCALES = {"int8": ("float32",), "int4": ("float32", "bfloat16"), "fp8": ("float32",), "mxfp4": ("e8m0",),
+                  "nvfp4": ("e4m3",), "bf16": ("float32",)}
+FIXED_GROUP = {"mxfp4": 32, "nvfp4": 16}
+PACKED_FP4 = ("int4", "mxfp4", "nvfp4")  # two columns a byte along K
 ROLES = ("gate", "up", "down")
 FORMAT_NAME = "hybrid-experts"
 FORMAT_VERSION = "1"
@@ -37,16 +46,19 @@ class ExpertLayerSpec:
     intermediate_size: int
     dtype: str  # one of EXPERT_DTYPES
     group_size: int  # scale group along K; 0 = one scale per output row (per channel)
-    scale_dtype: str = "float32"  # one of SCALE_DTYPES; bfloat16 only for int4 (the kernels that read it)
+    scale_dtype: str = "float32"  # one of ALLOWED_SCALES[dtype] (bfloat16 int4 scales: copied from a checkpoint)
 
     def __post_init__(self):
         if self.dtype not in EXPERT_DTYPES:
             raise ValueError(f"expert dtype '{self.dtype}' is not one of {', '.join(EXPERT_DTYPES)}")
-        if self.group_size < 0 or (self.dtype == "int4" and self.group_size == 0):
-            raise ValueError(f"group size {self.group_size} is invalid for {self.dtype} experts")
-        if self.scale_dtype not in SCALE_DTYPES or (self.scale_dtype != "float32" and self.dtype != "int4"):
-            raise ValueError(f"scale dtype '{self.scale_dtype}' is invalid for {self.dtype} experts (float32, or "
-                             "bfloat16 for int4)")
+        grouped = self.dtype in ("int4", "fp8", "mxfp4", "nvfp4")
+        if self.group_size < 0 or (grouped and self.group_size == 0) or \
+                self.group_size != FIXED_GROUP.get(self.dtype, self.group_size):
+            raise ValueError(f"group size {self.group_size} is invalid for {self.dtype} experts"
+                             + (f" (it must be {FIXED_GROUP[self.dtype]})" if self.dtype in FIXED_GROUP else ""))
+        if self.scale_dtype not in ALLOWED_SCALES[self.dtype]:
+            raise ValueError(f"scale dtype '{self.scale_dtype}' is invalid for {self.dtype} experts (allowed: "
+                             f"{', '.join(ALLOWED_SCALES[self.dtype])})")
 
     def matrix_shape(self, role: str) -> tuple[int, int]:
         """(N, K) of one expert's projection: output rows, input columns."""
@@ -66,10 +78,14 @@ class ExpertLayerSpec:
                 shapes[f"{role}.weight"] = ((e, n, k), torch.bfloat16)
             elif self.dtype == "int8":
                 shapes[f"{role}.weight"] = ((e, n, k), torch.int8)
+            elif self.dtype == "fp8":
+                shapes[f"{role}.weight"] = ((e, n, k), torch.uint8)
             else:
                 shapes[f"{role}.weight"] = ((e, n, -(-k // 2)), torch.uint8)
             if self.dtype != "bf16":
                 shapes[f"{role}.scales"] = ((e, n, -(-k // self.group(k))), SCALE_DTYPES[self.scale_dtype])
+            if self.dtype == "nvfp4":
+                shapes[f"{role}.tensor_scale"] = ((e,), torch.float32)
         return shapes
 
     def metadata(self, layer: int) -> dict[str, str]:
@@ -89,25 +105,33 @@ class ExpertLayerSpec:
 def quantize_matrix(w: torch.Tensor, spec: ExpertLayerSpec) -> dict[str, torch.Tensor]:
     """One expert's projection w [N, K] -> {'weight': ..., 'scales': ...} in the file's dtype (float32 scales: the
     quantizer's own; a bfloat16 `scale_dtype` is only ever copied from a source, never computed)."""
-    if spec.scale_dtype != "float32":
+    if spec.scale_dtype != ALLOWED_SCALES[spec.dtype][0]:
         raise ValueError(f"quantizing to {spec.scale_dtype} scales is not supported (they are copied from a source)")
     if spec.dtype == "bf16":
         return {"weight": w.to(torch.bfloat16)}
     group = spec.group(w.shape[1])
-    if spec.dtype == "int8":
-        q, scales = formats.quantize_int8(w, group)
-    else:
-        q, scales = formats.quantize_int4(w, group)
+    if spec.dtype == "nvfp4":
+        q, scales, tensor_scale = formats.quantize_nvfp4(w)
+        return {"weight": q, "scales": scales, "tensor_scale": tensor_scale}
+    quantize = {"int8": formats.quantize_int8, "int4": formats.quantize_int4, "fp8": formats.quantize_fp8,
+                "mxfp4": lambda w, _group: formats.quantize_mxfp4(w)}[spec.dtype]
+    q, scales = quantize(w, group)
     return {"weight": q, "scales": scales}
 
 
-def dequantize_matrix(weight: torch.Tensor, scales: torch.Tensor | None, role: str,
-                      spec: ExpertLayerSpec) -> torch.Tensor:
-    """The reference dequantization of one expert's projection -> float32 [N, K]."""
+def dequantize_matrix(weight: torch.Tensor, scales: torch.Tensor | None, role: str, spec: ExpertLayerSpec,
+                      tensor_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The reference dequantization of one expert's projection -> float32 [N, K] (`tensor_scale`: NVFP4's)."""
     _, k = spec.matrix_shape(role)
     if spec.dtype == "bf16":
         return weight.float()
     group = spec.group(k)
     if spec.dtype == "int8":
         return formats.dequantize_int8(weight, scales, group)
+    if spec.dtype == "fp8":
+        return formats.dequantize_fp8(weight, scales, group)
+    if spec.dtype == "mxfp4":
+        return formats.dequantize_mxfp4(weight, scales, k)
+    if spec.dtype == "nvfp4":
+        return formats.dequantize_nvfp4(weight, scales, tensor_scale, k)
     return formats.dequantize_int4(weight, scales, group, k)

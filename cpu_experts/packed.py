@@ -4,8 +4,8 @@ projections and the same columns of its down projection, so it computes a partia
 
 Partition boundaries are multiples of the scale group along I (down's input), so each partition owns whole
 groups; with one scale per output row (per channel) every partition shares the row's scale. Arrays are numpy, C
-contiguous, in huge-page memory (`cpu_experts.memory`), in the file's dtypes (int8; packed int4 as uint8 with
-two columns per byte; bf16 as uint16 bits).
+contiguous, in huge-page memory (`cpu_experts.memory`), in the file's dtypes (int8; packed int4, MXFP4 and NVFP4
+as uint8 with two columns per byte; FP8 e4m3 and 8-bit scales as their uint8 bits; bf16 as uint16 bits).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from cpu_experts import memory
-from cpu_experts.expert_file import ExpertLayerSpec, quantize_matrix
+from cpu_experts.expert_file import ALLOWED_SCALES, PACKED_FP4, ExpertLayerSpec, quantize_matrix
 from cpu_experts.topology import split_dim
 
 PARTITION_ALIGN = 32  # partition boundaries along I: whole SIMD vectors, and whole int4 bytes
@@ -29,9 +29,12 @@ class PartitionWeights:
     gate: np.ndarray  # [E, Ip, H] (int4: [E, Ip, H/2])
     up: np.ndarray
     down: np.ndarray  # [E, H, Ip] (int4: [E, H, Ip/2])
-    gate_scales: np.ndarray | None  # [E, Ip, G_H] float32
+    gate_scales: np.ndarray | None  # [E, Ip, G_H] in the spec's scale dtype (bf16, e8m0, e4m3: their bits)
     up_scales: np.ndarray | None
-    down_scales: np.ndarray | None  # [E, H, G_Ip] float32
+    down_scales: np.ndarray | None  # [E, H, G_Ip]
+    gate_tensor_scale: np.ndarray | None = None  # [E] float32, NVFP4 only (whole rows: every partition has it)
+    up_tensor_scale: np.ndarray | None = None
+    down_tensor_scale: np.ndarray | None = None
 
     @property
     def size(self) -> int:
@@ -39,7 +42,8 @@ class PartitionWeights:
 
     def named_arrays(self) -> dict[str, np.ndarray]:
         """The weight and scale arrays this partition holds, by field name (scales are absent for bf16)."""
-        roles = ("gate", "up", "down", "gate_scales", "up_scales", "down_scales")
+        roles = ("gate", "up", "down", "gate_scales", "up_scales", "down_scales", "gate_tensor_scale",
+                 "up_tensor_scale", "down_tensor_scale")
         return {role: getattr(self, role) for role in roles if getattr(self, role) is not None}
 
     def arrays(self) -> list[np.ndarray]:
@@ -77,7 +81,7 @@ class PackedLayer:
                    num_partitions: int = 1) -> PackedLayer:
         """Quantizes stacked float weights gate/up [E, I, H], down [E, H, I] (tests and benchmarks)."""
         num_experts, inter, hidden = gate.shape
-        spec = ExpertLayerSpec(num_experts, hidden, inter, dtype, group_size)
+        spec = ExpertLayerSpec(num_experts, hidden, inter, dtype, group_size, ALLOWED_SCALES[dtype][0])
         tensors: dict[str, list[torch.Tensor]] = {}
         for role, stacked in (("gate", gate), ("up", up), ("down", down)):
             for e in range(num_experts):
@@ -93,7 +97,7 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
 
 
 def _slice(arrays: dict[str, np.ndarray], spec: ExpertLayerSpec, start: int, end: int) -> PartitionWeights:
-    packed = 2 if spec.dtype == "int4" else 1  # columns per stored element along K
+    packed = 2 if spec.dtype in PACKED_FP4 else 1  # columns per stored element along K
 
     def part(name, index):
         if name not in arrays:
@@ -113,4 +117,7 @@ def _slice(arrays: dict[str, np.ndarray], spec: ExpertLayerSpec, start: int, end
         gate_scales=part("gate.scales", rows),
         up_scales=part("up.scales", rows),
         down_scales=part("down.scales", (slice(None), slice(None), down_groups)),
+        gate_tensor_scale=part("gate.tensor_scale", slice(None)),
+        up_tensor_scale=part("up.tensor_scale", slice(None)),
+        down_tensor_scale=part("down.tensor_scale", slice(None)),
     )

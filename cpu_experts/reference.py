@@ -15,15 +15,19 @@ def moe_reference(
     topk_weights: torch.Tensor,
     int8_activations: bool = False,
     partitions: list[tuple[int, int]] | None = None,
+    bf16_activations: bool = False,
 ) -> torch.Tensor:
     """hidden [T, H]; w_gate, w_up [E, I, H]; w_down [E, H, I]; topk_ids [T, K] (-1 = skip); weights [T, K].
 
     Experts are visited in id order and accumulated with index_add, the order the reference checkpoints'
     own implementation uses, so float32 results match it closely. `int8_activations`: each matmul's input rows
     are rounded to int8 with a per-row absmax scale first, as the W8A8 prefill path does; with `partitions`
-    (slices [start, end) of I), the down projection's input has one scale per row per slice.
+    (slices [start, end) of I), the down projection's input has one scale per row per slice. `bf16_activations`:
+    each matmul's input is rounded to bfloat16 instead (the float formats' contract: FP8, MXFP4, NVFP4).
     """
     def fake_quant(t: torch.Tensor, slices=((0, None),)) -> torch.Tensor:
+        if bf16_activations:
+            return t.to(torch.bfloat16).to(t.dtype)
         if not int8_activations:
             return t
         return torch.cat([_fake_quant_rows(t[:, lo:hi]) for lo, hi in slices], dim=1)

@@ -84,3 +84,35 @@ def test_scale_dtype_in_the_expert_file_spec():
     scales = torch.rand(64, 3).bfloat16()
     want = q.float() * scales.float().repeat_interleave(32, dim=1)
     assert torch.equal(dequantize_matrix(pack_int4(q), scales, "down", spec), want)  # bfloat16 widened exactly
+
+
+def test_float_formats_round_trip_and_codes():
+    """FP8, MXFP4 and NVFP4: quantize -> dequantize stays within each format's step, every code decodes to its
+    table value, and E8M0's extremes widen exactly."""
+    import pytest
+    import torch
+
+    from cpu_experts import formats
+    from cpu_experts.expert_file import ExpertLayerSpec
+
+    codes = torch.arange(256, dtype=torch.uint8)
+    e4m3 = formats.e4m3_to_float(codes)
+    assert e4m3[0x7E] == 448 and e4m3[0x01] == 2.0 ** -9 and e4m3[0x80] == 0 and torch.isnan(e4m3[0x7F])
+    assert formats.e2m1_to_float(torch.arange(16)).tolist()[:8] == [0, 0.5, 1, 1.5, 2, 3, 4, 6]
+    assert formats.e8m0_to_float(torch.tensor([0, 127, 254], dtype=torch.uint8)).tolist() == \
+        [2.0 ** -127, 1.0, 2.0 ** 127]
+    with pytest.raises(ValueError, match="255"):
+        formats.e8m0_to_float(torch.tensor([255], dtype=torch.uint8))
+    w = torch.randn(7, 75)
+    q, s = formats.quantize_fp8(w, 128)
+    assert (formats.dequantize_fp8(q, s, 128) - w).abs().max() <= w.abs().max() / 16
+    packed, s = formats.quantize_mxfp4(w)
+    assert packed.shape == (7, 38) and s.shape == (7, 3)
+    assert (formats.dequantize_mxfp4(packed, s, 75) - w).abs().max() <= w.abs().max() / 3
+    packed, s, ts = formats.quantize_nvfp4(w)
+    assert s.shape == (7, 5) and ts.dim() == 0
+    assert (formats.dequantize_nvfp4(packed, s, ts, 75) - w).abs().max() <= w.abs().max() / 4
+    with pytest.raises(ValueError, match="must be 32"):
+        ExpertLayerSpec(4, 64, 64, "mxfp4", 16, "e8m0")
+    with pytest.raises(ValueError, match="allowed: e4m3"):
+        ExpertLayerSpec(4, 64, 64, "nvfp4", 16, "float32")
