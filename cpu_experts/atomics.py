@@ -116,3 +116,6 @@ int8_pointer = _pointer_intrinsic(types.int8, ir.IntType(8), "An int8* from an a
 float32_pointer = _pointer_intrinsic(types.float32, ir.FloatType(), "A float32* from an address.")
 int64_pointer = _pointer_intrinsic(types.int64, ir.IntType(64), "An int64* from an address.")
 
+uint8_pointer = _pointer_intrinsic(types.uint8, ir.IntType(8), "A uint8* from an address.")
+uint16_pointer = _pointer_intrinsic(types.uint16, ir.IntType(16), "A uint16* (bfloat16 bits) from an address.")
+int32_pointer = _pointer_intrinsic(types.int32, ir.IntType(32), "An int32* from an address.")

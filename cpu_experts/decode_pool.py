@@ -15,13 +15,15 @@ Protocol (the device side is unchanged: `hybrid.cuda_graphs.GraphHandoff` on the
    output needs no reduction);
 4. the last thread to finish clears the request flag, counts the layer, opens the next one (the epoch word) and
    posts done = layer + 1.
-Numerics: `kernels_vnni.decode_int8`'s own loop bodies (`gate_up_item_int8`, `down_row_int8`), so a graph step
-served here equals one served by the executor, bit for bit. Scope: W8A8 int8 experts on the integer kernels
-(`CpuMoE.is_vnni`), steps below every layer's prefill threshold (`serves`); other steps stay with the `FlagWorker`.
+Numerics: the executor's kernels' own loop bodies (`kernels_vnni.gate_up_item_int8`, `down_row_int8`;
+`kernels_vnni_int4.gate_up_item_int4`, `down_rows_int4`), so a graph step served here equals one served by the
+executor, bit for bit. Scope: W8A8 int8 or int4 experts (int4 scales float32 or bfloat16), one format for all the
+pool's layers, on the integer kernels (`CpuMoE.is_vnni`), steps below every layer's prefill threshold (`serves`);
+other steps stay with the `FlagWorker`.
 
 Idle: a thread that sees no step for `IDLE_SECONDS` (or is `park`ed, before an eager step) returns to Python and
-sleeps until the next `arm`; spinning past `SPINS_BEFORE_YIELD` it yields its CPU at every turn, so an
-oversubscribed machine still makes progress.
+sleeps until the next `arm`; spinning past `decode_pool_sync.SPINS_BEFORE_YIELD` it yields its CPU at every turn,
+so an oversubscribed machine still makes progress (the control block and the waits: `cpu_experts.decode_pool_sync`).
 """
 
 from __future__ import annotations
@@ -36,109 +38,48 @@ from numba import carray, njit
 
 from cpu_experts.atomics import (
     LINE_WORDS,
-    cpu_relax,
     cycles,
     fetch_add64,
     float32_pointer,
     int8_pointer,
+    int32_pointer,
     int64_pointer,
-    load_acquire32,
     load_acquire64,
-    sched_yield,
-    store_release32,
     store_release64,
+    uint8_pointer,
+    uint16_pointer,
+)
+from cpu_experts.decode_pool_sync import (
+    _LINE,
+    COMPUTE_CYCLES,
+    EPOCH,
+    ERROR_LAYER,
+    ERROR_VALUE,
+    GEN,
+    IDLE_SECONDS,
+    LAYERS,
+    NO_EXPERTS,
+    NUM_WORDS,
+    PARK,
+    SERVED,
+    SKIP,
+    STOP,
+    TOKENS,
+    TOTAL_SERVED,
+    WAIT_CYCLES,
+    _barrier,
+    _finish_layer,
+    _share,
+    _wait_request,
+    _wait_step,
 )
 from cpu_experts.executor import CpuExpertsError
-from cpu_experts.flag_worker import DONE, REQUEST, FlagWorker
+from cpu_experts.flag_worker import FlagWorker
 from cpu_experts.kernels import quantize_row
 from cpu_experts.kernels_vnni import _block_sums, down_row_int8, gate_up_item_int8
+from cpu_experts.kernels_vnni_int4 import down_rows_int4, gate_up_item_int4, num_corrections, quantize_int4_row
 from cpu_experts.operator import CpuMoE, _route
 from cpu_experts.topology import pin_current_thread
-
-IDLE_SECONDS = 0.005  # a decode step follows the last one within a millisecond; prefill steps park the pool
-SPINS_BEFORE_YIELD = 4096  # ~0.2 ms of `pause` on the H200 host's Xeon, longer than any wait inside a layer
-# Words of the control block, one 64-byte line each.
-(GEN, TOKENS, LAYERS, STOP, PARK, SKIP, BAR_COUNT, BAR_GEN, FINISHED, EPOCH, SERVED, ERROR_LAYER, ERROR_VALUE,
- WAIT_CYCLES, COMPUTE_CYCLES, TOTAL_SERVED) = range(16)
-NUM_WORDS = 16
-NO_EXPERTS = -(1 << 62)  # ERROR_VALUE of a layer the pool has no experts for
-_LINE = 8 * LINE_WORDS
-_REQUEST_OFFSET, _DONE_OFFSET = 4 * REQUEST, 4 * DONE  # byte offsets of the int32 flags
-
-
-# ---- waiting -----------------------------------------------------------------------------------------------------
-
-@njit(nogil=True, cache=True)
-def _backoff(spins):
-    if spins < SPINS_BEFORE_YIELD:
-        cpu_relax()
-    else:
-        sched_yield()
-    return spins + 1
-
-
-@njit(nogil=True, cache=True)
-def _spin_while_equal(ctl, address, value):
-    """Until the word at `address` changes, or the pool stops (a thread died: the others must not wait for it)."""
-    spins = 0
-    while load_acquire64(address) == value and not load_acquire64(ctl + STOP * _LINE):
-        spins = _backoff(spins)
-
-
-@njit(nogil=True, cache=True)
-def _barrier(ctl, num_threads):
-    generation = load_acquire64(ctl + BAR_GEN * _LINE)  # read before arriving: only our arrival can bump it
-    if fetch_add64(ctl + BAR_COUNT * _LINE, 1) == num_threads - 1:
-        store_release64(ctl + BAR_COUNT * _LINE, 0)
-        store_release64(ctl + BAR_GEN * _LINE, generation + 1)
-    else:
-        _spin_while_equal(ctl, ctl + BAR_GEN * _LINE, generation)
-
-
-@njit(nogil=True, cache=True)
-def _wait_step(ctl, seen, idle_cycles):
-    """The next step's generation, or `seen` after `idle_cycles` without one (or when stopped or parked)."""
-    deadline, spins = cycles() + idle_cycles, 0
-    while True:
-        generation = load_acquire64(ctl + GEN * _LINE)
-        if generation != seen:
-            return generation
-        if load_acquire64(ctl + STOP * _LINE) or load_acquire64(ctl + PARK * _LINE) or cycles() > deadline:
-            return seen
-        spins = _backoff(spins)
-
-
-@njit(nogil=True, cache=True)
-def _wait_request(ctl, flags, generation):
-    """The request flag's value once posted, or 0 if the step was abandoned (a new `arm`) or the pool stopped."""
-    spins = 0
-    while True:
-        value = load_acquire32(flags + _REQUEST_OFFSET)
-        if value != 0:
-            return value
-        if load_acquire64(ctl + GEN * _LINE) != generation or load_acquire64(ctl + STOP * _LINE):
-            return 0
-        spins = _backoff(spins)
-
-
-@njit(nogil=True, cache=True)
-def _finish_layer(ctl, flags, value, num_threads, epoch):
-    """Arrive at the layer's end; the last thread clears the request, counts the layer and posts done."""
-    if fetch_add64(ctl + FINISHED * _LINE, 1) == num_threads - 1:
-        store_release64(ctl + FINISHED * _LINE, 0)
-        store_release32(flags + _REQUEST_OFFSET, 0)
-        fetch_add64(ctl + SERVED * _LINE, 1)
-        fetch_add64(ctl + TOTAL_SERVED * _LINE, 1)
-        store_release64(ctl + EPOCH * _LINE, epoch + 1)
-        store_release32(flags + _DONE_OFFSET, value)
-    else:
-        _spin_while_equal(ctl, ctl + EPOCH * _LINE, epoch)
-
-
-@njit(nogil=True, cache=True)
-def _share(total, tid, num_threads):
-    return total * tid // num_threads, total * (tid + 1) // num_threads
-
 
 # ---- one layer ---------------------------------------------------------------------------------------------------
 
@@ -168,8 +109,12 @@ def _quantize_rows(tid, num_threads, src, num_rows, num_cols, group, q, scale, s
         _block_sums(q[r, :num_cols], group, sums[r])
 
 
-# Columns of the slot table (one row per partition of a layer): the arrays' addresses, then their dimensions.
-GATE, GATE_S, UP, UP_S, DOWN, DOWN_S, NUM_EXPERTS, ROWS, HIDDEN, GROUPS_H, GROUPS_I, GROUP_H, GROUP_I = range(13)
+# Columns of the slot table (one row per partition of a layer): the arrays' addresses, then their dimensions
+# (GATE_COLS, DOWN_COLS: the stored rows' lengths, halved for int4).
+(GATE, GATE_S, UP, UP_S, DOWN, DOWN_S, NUM_EXPERTS, ROWS, HIDDEN, GROUPS_H, GROUPS_I, GROUP_H, GROUP_I, GATE_COLS,
+ DOWN_COLS) = range(15)
+# The pool's weight format, one for all its layers: its layer code is compiled per format.
+INT8, INT4, INT4_BF16 = range(3)
 
 
 @njit(nogil=True, cache=True)
@@ -183,9 +128,82 @@ def _slot_arrays(slots, s):
             carray(float32_pointer(slots[s, DOWN_S]), (e, hidden, slots[s, GROUPS_I])))
 
 
+@njit(nogil=True, cache=True)
+def _int4_dims(slots, s):
+    e, rows, hidden = slots[s, NUM_EXPERTS], slots[s, ROWS], slots[s, HIDDEN]
+    return (e, rows, slots[s, GATE_COLS]), (e, rows, slots[s, GROUPS_H]), (e, hidden, slots[s, DOWN_COLS]), \
+        (e, hidden, slots[s, GROUPS_I])
+
+
+@njit(nogil=True, cache=True)
+def _int4_arrays(slots, s):
+    """Slot s's packed int4 gate, gate_s, up, up_s, down, down_s (float32 scales) as unowned arrays."""
+    gate_dims, gate_s_dims, down_dims, down_s_dims = _int4_dims(slots, s)
+    return (carray(uint8_pointer(slots[s, GATE]), gate_dims), carray(float32_pointer(slots[s, GATE_S]), gate_s_dims),
+            carray(uint8_pointer(slots[s, UP]), gate_dims), carray(float32_pointer(slots[s, UP_S]), gate_s_dims),
+            carray(uint8_pointer(slots[s, DOWN]), down_dims),
+            carray(float32_pointer(slots[s, DOWN_S]), down_s_dims))
+
+
+@njit(nogil=True, cache=True)
+def _int4_arrays_bf16(slots, s):
+    """`_int4_arrays` with bfloat16 scales (their uint16 bits)."""
+    gate_dims, gate_s_dims, down_dims, down_s_dims = _int4_dims(slots, s)
+    return (carray(uint8_pointer(slots[s, GATE]), gate_dims), carray(uint16_pointer(slots[s, GATE_S]), gate_s_dims),
+            carray(uint8_pointer(slots[s, UP]), gate_dims), carray(uint16_pointer(slots[s, UP_S]), gate_s_dims),
+            carray(uint8_pointer(slots[s, DOWN]), down_dims),
+            carray(uint16_pointer(slots[s, DOWN_S]), down_s_dims))
+
+
+@njit(nogil=True, cache=True, fastmath=True)
+def _quantize_rows_int4(tid, num_threads, src, num_rows, num_cols, group, q_even, q_odd, scale, corr):
+    lo, hi = _share(num_rows, tid, num_threads)
+    half = (num_cols + 1) // 2
+    for r in range(lo, hi):
+        scale[r] = quantize_int4_row(src[r, :num_cols], q_even[r, :half], q_odd[r, :half], corr[r], group)
+
+
+@njit(nogil=True, cache=True, fastmath=True)
+def _partition_int4(tid, num_threads, ctl, slots, s, routing, num_tokens, gate, gate_s, up, up_s, down, down_s, x4,
+                    act, a4, out):
+    """One partition of an int4 layer: gate/up items, act to int8, down columns (`kernels_vnni_int4`'s bodies)."""
+    experts, offsets, pair_token, pair_weight = routing
+    x_even, x_odd, x_corr, x_scale = x4
+    a_even, a_odd, a_corr, a_scale = a4
+    lo, hi = _share(experts.shape[0] * gate.shape[1], tid, num_threads)
+    for r in range(lo, hi):
+        gate_up_item_int4(r, experts, offsets, pair_token, gate, gate_s, up, up_s, x_even, x_odd, x_corr, x_scale,
+                          slots[s, GROUP_H], act)
+    _barrier(ctl, num_threads)
+    _quantize_rows_int4(tid, num_threads, act, pair_token.shape[0], slots[s, ROWS], slots[s, GROUP_I], a_even, a_odd,
+                        a_scale, a_corr)
+    _barrier(ctl, num_threads)
+    lo, hi = _share(down.shape[1], tid, num_threads)
+    down_rows_int4(lo, hi, experts, offsets, pair_token, pair_weight, down, down_s, a_even, a_odd, a_corr, a_scale,
+                   slots[s, GROUP_I], out)
+
+
+@njit(nogil=True, cache=True, fastmath=True)
+def _layer_int4(tid, num_threads, ctl, kind, first, count, slots, routing, num_tokens, hidden, out, x4, act, a4):
+    """This thread's share of one int4 MoE layer (after routing): the rows to int8, then partition by partition."""
+    x_even, x_odd, x_corr, x_scale = x4
+    _quantize_rows_int4(tid, num_threads, hidden, num_tokens, hidden.shape[1], slots[first, GROUP_H], x_even, x_odd,
+                        x_scale, x_corr)
+    lo, hi = _share(out.shape[1], tid, num_threads)
+    out[:num_tokens, lo:hi] = 0
+    _barrier(ctl, num_threads)
+    for s in range(first, first + count):
+        if kind == INT4_BF16:
+            _partition_int4(tid, num_threads, ctl, slots, s, routing, num_tokens, *_int4_arrays_bf16(slots, s), x4,
+                            act, a4, out)
+        else:
+            _partition_int4(tid, num_threads, ctl, slots, s, routing, num_tokens, *_int4_arrays(slots, s), x4, act,
+                            a4, out)
+
+
 @njit(nogil=True, cache=True, fastmath=True)
 def _layer(tid, num_threads, ctl, layer, num_tokens, hidden, ids, weights, out, first_slot, num_slots, slots, x_q,
-           x_scale, x_sum, act, a_q, a_scale, a_sum):
+           x_scale, x_sum, act, a_q, a_scale, a_sum, kind, x4, a4):
     """This thread's share of one MoE layer: out[:num_tokens] = the routed experts of `layer` (see the module)."""
     top_k = ids.shape[1]
     first = first_slot[layer] if layer < first_slot.shape[0] else -1
@@ -205,6 +223,10 @@ def _layer(tid, num_threads, ctl, layer, num_tokens, hidden, ids, weights, out, 
     if load_acquire64(ctl + SKIP * _LINE):  # the benchmark's GPU-alone step: answer zeros at once
         lo, hi = _share(out.shape[1], tid, num_threads)
         out[:num_tokens, lo:hi] = 0
+        return
+    if kind != INT8:
+        _layer_int4(tid, num_threads, ctl, kind, first, num_slots[layer], slots,
+                    (experts, offsets, pair_token, pair_weight), num_tokens, hidden, out, x4, act, a4)
         return
     num_groups_h = slots[first, GROUPS_H]
     _quantize_rows(tid, num_threads, hidden, num_tokens, hidden.shape[1], slots[first, GROUP_H], x_q, x_scale,
@@ -234,13 +256,18 @@ def _unowned_i8(a):
 
 
 @njit(nogil=True, cache=True)
+def _unowned_i32(a):
+    return carray(int32_pointer(a.ctypes.data), a.shape)
+
+
+@njit(nogil=True, cache=True)
 def _unowned_i64(a):
     return carray(int64_pointer(a.ctypes.data), a.shape)
 
 
 @njit(nogil=True, cache=True)
 def _serve(tid, num_threads, ctl, flags, seen, idle_cycles, hidden, ids, weights, out, first_slot, num_slots, slots,
-           x_q, x_scale, x_sum, act, a_q, a_scale, a_sum):
+           x_q, x_scale, x_sum, act, a_q, a_scale, a_sum, kind, x_even, x_odd, x_corr, a_even, a_odd, a_corr):
     """Serves steps until none comes for `idle_cycles` (or parked, or stopped); returns the last generation seen.
     Every array the threads share is used through an unowned view (`atomics.int8_pointer`)."""
     hidden, weights, out, act = _unowned_f32(hidden), _unowned_f32(weights), _unowned_f32(out), _unowned_f32(act)
@@ -248,6 +275,8 @@ def _serve(tid, num_threads, ctl, flags, seen, idle_cycles, hidden, ids, weights
     ids, x_sum, a_sum, slots = _unowned_i64(ids), _unowned_i64(x_sum), _unowned_i64(a_sum), _unowned_i64(slots)
     first_slot, num_slots = _unowned_i64(first_slot), _unowned_i64(num_slots)
     x_q, a_q = _unowned_i8(x_q), _unowned_i8(a_q)
+    x4 = (_unowned_i8(x_even), _unowned_i8(x_odd), _unowned_i32(x_corr), x_scale)
+    a4 = (_unowned_i8(a_even), _unowned_i8(a_odd), _unowned_i32(a_corr), a_scale)
     while True:
         generation = _wait_step(ctl, seen, idle_cycles)
         if generation == seen:
@@ -262,7 +291,7 @@ def _serve(tid, num_threads, ctl, flags, seen, idle_cycles, hidden, ids, weights
                 break  # abandoned: the next step (or the stop) is read by _wait_step
             started = cycles()
             _layer(tid, num_threads, ctl, value - 1, num_tokens, hidden, ids, weights, out, first_slot, num_slots,
-                   slots, x_q, x_scale, x_sum, act, a_q, a_scale, a_sum)
+                   slots, x_q, x_scale, x_sum, act, a_q, a_scale, a_sum, kind, x4, a4)
             _finish_layer(ctl, flags, value, num_threads, epoch)
             if tid == 0:
                 fetch_add64(ctl + WAIT_CYCLES * _LINE, started - waiting)
@@ -272,8 +301,14 @@ def _serve(tid, num_threads, ctl, flags, seen, idle_cycles, hidden, ids, weights
 # ---- the pool ----------------------------------------------------------------------------------------------------
 
 def supports(op: CpuMoE) -> bool:
-    """Whether the pool can serve this layer's decode steps (W8A8 int8 on the integer kernels)."""
-    return op.spec.dtype == "int8" and op.is_w8a8 and op.is_vnni
+    """Whether the pool can serve this layer's decode steps (W8A8 int8 or int4 on the integer kernels)."""
+    return op.spec.dtype in ("int8", "int4") and op.is_w8a8 and op.is_vnni
+
+
+def _kind(op: CpuMoE) -> int:
+    if op.spec.dtype == "int8":
+        return INT8
+    return INT4_BF16 if op.spec.scale_dtype == "bfloat16" else INT4
 
 
 class DecodePool:
@@ -284,8 +319,12 @@ class DecodePool:
                  idle_seconds: float = IDLE_SECONDS):
         unsupported = sorted(layer for layer, op in ops.items() if not supports(op))
         if not ops or unsupported or not cpus:
-            raise ValueError(f"DecodePool needs CPUs and W8A8 int8 layers on the integer kernels; layers "
+            raise ValueError(f"DecodePool needs CPUs and W8A8 int8 or int4 layers on the integer kernels; layers "
                              f"{unsupported} are not, cpus={list(cpus)}")
+        kinds = {_kind(op) for op in ops.values()}
+        if len(kinds) > 1:
+            raise ValueError("DecodePool serves layers of one expert format (int8, or int4 with one scale dtype)")
+        self.kind = kinds.pop()
         if worker.dtype != torch.float32:
             raise ValueError(f"DecodePool serves float32 staging buffers, got {worker.dtype}")
         self.worker, self.cpus = worker, tuple(cpus)
@@ -294,6 +333,7 @@ class DecodePool:
         self.max_tokens = min(min(op.prefill_min_tokens for op in ops.values()) - 1, worker.max_tokens)
         *self._weights, self._weight_arrays = _layer_tables(ops)
         self._scratch = _scratch(ops, worker.max_tokens, worker.top_k)
+        self._scratch_int4 = _scratch_int4(ops, worker.max_tokens, worker.top_k, self.kind != INT8)
         self._buffers = tuple(b.numpy() for b in (worker.hidden_buffer, worker.ids_buffer, worker.weights_buffer,
                                                   worker.out_buffer))
         raw = np.zeros((NUM_WORDS + 1) * LINE_WORDS, dtype=np.int64)
@@ -307,6 +347,7 @@ class DecodePool:
         self._cond = threading.Condition()
         self._stopping = False
         self.error: BaseException | None = None  # a thread's crash; the pool then serves nothing
+        self._compile()
         self._threads = [threading.Thread(target=self._thread_main, args=(tid,), name=f"decode-pool-{tid}",
                                           daemon=True) for tid in range(self.num_threads)]
         for thread in self._threads:
@@ -389,6 +430,17 @@ class DecodePool:
     def _set(self, word: int, value: int) -> None:
         self.ctl[word * LINE_WORDS] = value
 
+    def _compile(self) -> None:
+        """Compiles (or loads from numba's cache) the threads' code here, at start-up: compiled by the threads on
+        the first step, it took longer than the device waits for a layer (tens of seconds on a cold cache)."""
+        self._set(STOP, 1)  # the call returns at once
+        self._serve_call(0, 0)
+        self._set(STOP, 0)
+
+    def _serve_call(self, tid: int, seen: int) -> int:
+        return _serve(tid, self.num_threads, self.ctl.ctypes.data, self.worker.flags.data_ptr(), seen,
+                      self._idle_cycles, *self._buffers, *self._weights, *self._scratch, self.kind, *self._scratch_int4)
+
     def _thread_main(self, tid: int) -> None:
         pin_current_thread([self.cpus[tid]])
         seen = 0
@@ -399,8 +451,7 @@ class DecodePool:
                         self._cond.wait()
                 if self._stopping:
                     return
-                seen = _serve(tid, self.num_threads, self.ctl.ctypes.data, self.worker.flags.data_ptr(), seen,
-                              self._idle_cycles, *self._buffers, *self._weights, *self._scratch)
+                seen = self._serve_call(tid, seen)
         except BaseException as exc:  # noqa: BLE001 (reported by finish_step; the engine falls back)
             self.error = exc
             self._set(STOP, 1)  # the other threads leave their barriers instead of waiting for this one
@@ -420,10 +471,11 @@ def _layer_tables(ops: dict[int, CpuMoE]) -> tuple[np.ndarray, np.ndarray, np.nd
             arrays = [np.ascontiguousarray(a) for a in (part.gate, part.gate_scales, part.up, part.up_scales,
                                                           part.down, part.down_scales)]
             keep += arrays
-            num_experts, size, hidden = part.gate.shape
+            num_experts, size, gate_cols = part.gate.shape
+            hidden = op.spec.hidden_size
             rows.append([a.ctypes.data for a in arrays] + [
                 num_experts, size, hidden, part.gate_scales.shape[2], part.down_scales.shape[2],
-                op.spec.group(op.spec.hidden_size), op.spec.group_size or part.size])
+                op.spec.group(op.spec.hidden_size), op.spec.group_size or part.size, gate_cols, part.down.shape[2]])
     return first_slot, num_slots, np.array(rows, dtype=np.int64), keep
 
 
@@ -439,6 +491,23 @@ def _scratch(ops: dict[int, CpuMoE], max_tokens: int, top_k: int) -> tuple:
             np.zeros((max_tokens, groups_h), np.int64), np.zeros((max_pairs, max_rows), np.float32),
             np.zeros((max_pairs, max_rows), np.int8), np.zeros(max_pairs, np.float32),
             np.zeros((max_pairs, groups_i), np.int64))
+
+
+def _scratch_int4(ops: dict[int, CpuMoE], max_tokens: int, top_k: int, is_int4: bool) -> tuple:
+    """The int4 layers' activation buffers: x_even, x_odd [T, ceil(H / 2)], x_corr [T, U_h * 8]; a_even, a_odd
+    [P, ceil(I_part / 2)], a_corr [P, U_i * 8] (`kernels_vnni_int4`); one-element stand-ins for int8 layers."""
+    if not is_int4:
+        return (np.zeros((1, 1), np.int8), np.zeros((1, 1), np.int8), np.zeros((1, 1), np.int32)) * 2
+    parts = [(op, part) for op in ops.values() for part in op.layer.partitions]
+    spec = parts[0][0].spec
+    gate_bytes = max(part.gate.shape[2] for _, part in parts)
+    down_bytes = max(part.down.shape[2] for _, part in parts)
+    max_pairs = max_tokens * top_k
+    corr_h = max(num_corrections(part.gate.shape[2], spec.group(spec.hidden_size)) for _, part in parts)
+    corr_i = max(num_corrections(part.down.shape[2], spec.group_size) for _, part in parts)
+    return (np.zeros((max_tokens, gate_bytes), np.int8), np.zeros((max_tokens, gate_bytes), np.int8),
+            np.zeros((max_tokens, corr_h), np.int32), np.zeros((max_pairs, down_bytes), np.int8),
+            np.zeros((max_pairs, down_bytes), np.int8), np.zeros((max_pairs, corr_i), np.int32))
 
 
 @njit(nogil=True, cache=True)

@@ -3,17 +3,13 @@ per instruction on 256-bit vectors), which the float kernels in `cpu_experts.ker
 Same work split and results as those kernels on rounded activations, up to float summation order (the integer
 sums here are exact).
 
-The activations arrive quantized per row (`prepare`): x_q int8 [T, K], x_scale [T], and x_sum [T, G], each scale
-group's sum of x_q over the columns the vector loop covers (whole 32s). `vpdpbusd` multiplies unsigned by
-signed bytes, so int8 weights enter with their sign bit flipped (w + 128) and the dot is corrected by
-128 * x_sum; int4 nibbles are unsigned already (nibble = q + 8) and are corrected by 8 * x_sum.
+The activations arrive quantized per row (`prepare_int8`): x_q int8 [T, K], x_scale [T], and x_sum [T, G], each
+scale group's sum of x_q over the columns the vector loop covers (whole 32s). `vpdpbusd` multiplies unsigned by
+signed bytes, so int8 weights enter with their sign bit flipped (w + 128) and the dot is corrected by 128 * x_sum.
 
-Each weight row is one call into LLVM IR (`_int8_dots`, `_int4_dots`): the gate and up rows of a token run in
-the same loop (two independent dependency chains per vector, so the loop is not bound by `vpdpbusd`'s latency),
-and int4 groups are scaled in vector registers, so a row pays one horizontal sum, not one per 128-column group.
-Group 32 (16 bytes, half a 32-byte vector: Kimi-K2's INT4) has a loop of its own (`_int4_pairs_codegen`): each
-vector holds two groups, its low four int32 lanes one and its high four the other, scaled by a vector of the two
-scales. int4 scales are float32 or bfloat16 (uint16 bits, widened in registers); nibbles 0..15 are codes -8..7.
+Each weight row is one call into LLVM IR (`_int8_dot`, `_int8_dot2`): the gate and up rows of a token run in
+the same loop (two independent dependency chains per vector, so the loop is not bound by `vpdpbusd`'s latency).
+The int4 kernels (`cpu_experts.kernels_vnni_int4`) build on the IR helpers here.
 
 On a CPU without VNNI the same sums are compiled from generic widening multiplies (exact, slower): `operator.CpuMoE`
 runs these kernels only where `has_vnni()` (its float kernels are faster elsewhere), and tests run them anywhere.
@@ -28,7 +24,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from cpu_experts.kernels import quantize_row, scale_value
+from cpu_experts.kernels import quantize_row
 
 FLAGS = dict(parallel=True, fastmath=True, nogil=True, cache=True)
 VNNI = "llvm.x86.avx512.vpdpbusd.256"  # also selected as the VEX (AVX-VNNI) form where AVX-512 is absent
@@ -38,7 +34,6 @@ PREFETCH_BYTES = 1024
 
 I8, I16, I32, F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
 V8, F8 = ir.VectorType(I32, 8), ir.VectorType(F32, 8)
-PAIR_GROUP_BYTES = 16  # a group of 32 int4 columns: half of a 32-byte vector
 
 
 def has_vnni() -> bool:
@@ -152,82 +147,6 @@ def _int8_codegen(num_rows: int):
     return codegen
 
 
-def _int4_codegen(num_rows: int):
-    """sum_g scale[g] * sum_b (lo(w[b]) * x_even[b] + hi(w[b]) * x_odd[b]) over the first `num_groups` groups
-    of `half` bytes (a multiple of 32) of each row, the group sums scaled in float vectors."""
-    def codegen(context, builder, sig, args):
-        g = _IR(context, builder)
-        rows = [g.data(sig.args[j], args[j])[0] for j in range(num_rows)]
-        scales = [g.scales(sig.args[num_rows + j], args[num_rows + j]) for j in range(num_rows)]
-        x_even = g.data(sig.args[2 * num_rows], args[2 * num_rows])[0]
-        x_odd = g.data(sig.args[2 * num_rows + 1], args[2 * num_rows + 1])[0]
-        num_groups, half = args[-2], args[-1]
-        c32 = ir.Constant(half.type, 32)
-        nibble = ir.Constant(V8, [0x0F0F0F0F] * 8)
-        four = ir.Constant(V8, [4] * 8)
-        faccs = [g.zeroed(F8) for _ in range(num_rows)]
-        lo, hi = [g.zeroed(V8) for _ in range(num_rows)], [g.zeroed(V8) for _ in range(num_rows)]
-        with cgutils.for_range(builder, num_groups) as group_loop:
-            base = builder.mul(group_loop.index, half)
-            for acc in lo + hi:
-                builder.store(ir.Constant(V8, None), acc)
-            with cgutils.for_range(builder, builder.sdiv(half, c32)) as block_loop:
-                offset = builder.add(base, builder.mul(block_loop.index, c32))
-                xe, xo = g.load(x_even, offset), g.load(x_odd, offset)
-                for j, row in enumerate(rows):
-                    g.prefetch(row, offset)  # a line every other iteration: the repeat is a cheap no-op
-                    w = g.load(row, offset)
-                    builder.store(g.vnni(builder.load(lo[j]), builder.and_(w, nibble), xe), lo[j])
-                    high = builder.and_(builder.lshr(w, four), nibble)
-                    builder.store(g.vnni(builder.load(hi[j]), high, xo), hi[j])
-            for j in range(num_rows):
-                total = builder.sitofp(builder.add(builder.load(lo[j]), builder.load(hi[j])), F8)
-                scale = g.load_scale(scales[j], group_loop.index)
-                fma = g.call("llvm.fma.v8f32", F8, [F8, F8, F8], [total, g.splat(scale), builder.load(faccs[j])])
-                builder.store(fma, faccs[j])
-        sums = [g.call("llvm.vector.reduce.fadd.v8f32", F32, [F32, F8], [ir.Constant(F32, 0.0),
-                                                                          builder.load(acc)]) for acc in faccs]
-        return sums[0] if num_rows == 1 else context.make_tuple(builder, sig.return_type, sums)
-    return codegen
-
-
-def _int4_pairs_codegen(num_rows: int):
-    """Group 32: sum over the first `num_blocks` 32-byte blocks of each row of scale[2b] * (the block's first 16
-    bytes' lo . x_even + hi . x_odd) + scale[2b + 1] * (its last 16 bytes' ...): `vpdpbusd` sums each 4 bytes into
-    one int32 lane, so lanes 0-3 hold group 2b and lanes 4-7 group 2b + 1, scaled by [s, s, s, s, s', s', s', s']."""
-    def codegen(context, builder, sig, args):
-        g = _IR(context, builder)
-        rows = [g.data(sig.args[j], args[j])[0] for j in range(num_rows)]
-        scales = [g.scales(sig.args[num_rows + j], args[num_rows + j]) for j in range(num_rows)]
-        x_even = g.data(sig.args[2 * num_rows], args[2 * num_rows])[0]
-        x_odd = g.data(sig.args[2 * num_rows + 1], args[2 * num_rows + 1])[0]
-        num_blocks = args[-1]
-        c32 = ir.Constant(num_blocks.type, 32)
-        nibble = ir.Constant(V8, [0x0F0F0F0F] * 8)
-        four = ir.Constant(V8, [4] * 8)
-        zero = ir.Constant(V8, None)
-        halves = ir.Constant(V8, [0, 0, 0, 0, 1, 1, 1, 1])
-        faccs = [g.zeroed(F8) for _ in range(num_rows)]
-        with cgutils.for_range(builder, num_blocks) as loop:
-            offset = builder.mul(loop.index, c32)
-            first = builder.add(loop.index, loop.index)  # the block's first group
-            xe, xo = g.load(x_even, offset), g.load(x_odd, offset)
-            for j, row in enumerate(rows):
-                g.prefetch(row, offset)
-                w = g.load(row, offset)
-                dot = g.vnni(g.vnni(zero, builder.and_(w, nibble), xe), builder.and_(builder.lshr(w, four), nibble),
-                             xo)
-                pair = g.load_scale(scales[j], first, 2)
-                scale = builder.shuffle_vector(pair, pair, halves)
-                fma = g.call("llvm.fma.v8f32", F8, [F8, F8, F8], [builder.sitofp(dot, F8), scale,
-                                                                 builder.load(faccs[j])])
-                builder.store(fma, faccs[j])
-        sums = [g.call("llvm.vector.reduce.fadd.v8f32", F32, [F32, F8], [ir.Constant(F32, 0.0),
-                                                                          builder.load(acc)]) for acc in faccs]
-        return sums[0] if num_rows == 1 else context.make_tuple(builder, sig.return_type, sums)
-    return codegen
-
-
 @intrinsic
 def _int8_dot(typingctx, w, x):
     """sum_j (w[j] + 128) * x[j] over the first len(w) // 32 * 32 columns; w, x int8 1-D, unit stride."""
@@ -238,31 +157,6 @@ def _int8_dot(typingctx, w, x):
 def _int8_dot2(typingctx, w0, w1, x):
     """`_int8_dot` of two rows against one x, in one loop."""
     return types.UniTuple(types.int64, 2)(w0, w1, x), _int8_codegen(2)
-
-
-@intrinsic
-def _int4_dot(typingctx, w, scales, x_even, x_odd, num_groups, half):
-    """sum over the first num_groups groups of scales[g] * (lo . x_even + hi . x_odd) on unsigned nibbles."""
-    return types.float32(w, scales, x_even, x_odd, num_groups, half), _int4_codegen(1)
-
-
-@intrinsic
-def _int4_dot2(typingctx, w0, w1, s0, s1, x_even, x_odd, num_groups, half):
-    """`_int4_dot` of two rows (with their own scales) against one activation, in one loop."""
-    return types.UniTuple(types.float32, 2)(w0, w1, s0, s1, x_even, x_odd, num_groups, half), _int4_codegen(2)
-
-
-@intrinsic
-def _int4_pairs_dot(typingctx, w, scales, x_even, x_odd, num_blocks):
-    """Group 32: sum over the first num_blocks 32-byte blocks (two groups each) of the groups' scaled dots on
-    unsigned nibbles."""
-    return types.float32(w, scales, x_even, x_odd, num_blocks), _int4_pairs_codegen(1)
-
-
-@intrinsic
-def _int4_pairs_dot2(typingctx, w0, w1, s0, s1, x_even, x_odd, num_blocks):
-    """`_int4_pairs_dot` of two rows (with their own scales) against one activation, in one loop."""
-    return types.UniTuple(types.float32, 2)(w0, w1, s0, s1, x_even, x_odd, num_blocks), _int4_pairs_codegen(2)
 
 
 # ---- row dot products ------------------------------------------------------------------------------------------
@@ -305,83 +199,6 @@ def _dot2_int8(w0, s0, w1, s1, x_q, x_sum, group):
     return np.float32(a) * s0[0], np.float32(b) * s1[0]
 
 
-@njit(fastmath=True, cache=True)
-def _vector_groups(num_bytes, half):
-    """How many leading groups of a row of `num_bytes` the whole-row vector loops cover: groups of whole 32-byte
-    blocks (`half`, the group's bytes, a multiple of 32), or pairs of 16-byte groups (group 32); `_groups_int4`
-    takes the rest."""
-    if half % 32 == 0:
-        return num_bytes // half
-    if half == PAIR_GROUP_BYTES:
-        return num_bytes // 32 * 2
-    return 0
-
-
-@njit(fastmath=True, cache=True)
-def _vector_end(g, half, num_bytes):
-    """The end of the bytes of group g (from g * half) that vector code covers, whole or in `_groups_int4`'s
-    32-byte blocks; the activations' x_sum[g] sums exactly these, so that 8 * x_sum[g] undoes their nibbles' + 8."""
-    lo = g * half
-    if half == PAIR_GROUP_BYTES:
-        return lo + half if g < num_bytes // 32 * 2 else lo
-    return lo + (min(lo + half, num_bytes) - lo) // 32 * 32
-
-
-@njit(fastmath=True, cache=True)
-def _groups_int4(row, scales, x_even, x_odd, x_sum, group, first):
-    """Groups `first`.. one at a time: a last partial group, or groups whose bytes are not whole 32s."""
-    half = group // 2  # group is even, so a group is whole bytes; x_odd is zero past an odd K
-    num_bytes = row.shape[0]
-    acc = np.float32(0.0)
-    for g in range(first, scales.shape[0]):
-        lo = g * half
-        hi = min(lo + half, num_bytes)
-        vec_end = _vector_end(g, half, num_bytes)
-        s = -8 * x_sum[g]
-        for b in range(vec_end, hi):
-            byte = np.int64(row[b])
-            s += ((byte & 15) - 8) * np.int64(x_even[b]) + ((byte >> 4) - 8) * np.int64(x_odd[b])
-        acc += np.float32(s) * scale_value(scales[g])
-        if vec_end > lo:
-            acc += _int4_dot(row[lo:vec_end], scales[g:g + 1], x_even[lo:vec_end], x_odd[lo:vec_end], 1,
-                             vec_end - lo)
-    return acc
-
-
-@njit(fastmath=True, cache=True)
-def _int4_correction(scales, x_sum, num_groups):
-    """8 * sum_g scale[g] * x_sum[g]: what the unsigned nibbles (q + 8) add to the first num_groups groups."""
-    acc = np.float32(0.0)
-    for g in range(num_groups):
-        acc += scale_value(scales[g]) * np.float32(x_sum[g])
-    return np.float32(8.0) * acc
-
-
-@njit(fastmath=True, cache=True)
-def _dot_int4(row, scales, x_even, x_odd, x_sum, group):
-    half = group // 2
-    full = _vector_groups(row.shape[0], half)
-    if half == PAIR_GROUP_BYTES:
-        acc = _int4_pairs_dot(row, scales, x_even, x_odd, full // 2)
-    else:
-        acc = _int4_dot(row, scales, x_even, x_odd, full, half)
-    acc -= _int4_correction(scales, x_sum, full)
-    return acc + _groups_int4(row, scales, x_even, x_odd, x_sum, group, full)
-
-
-@njit(fastmath=True, cache=True)
-def _dot2_int4(w0, s0, w1, s1, x_even, x_odd, x_sum, group):
-    half = group // 2
-    full = _vector_groups(w0.shape[0], half)
-    if half == PAIR_GROUP_BYTES:
-        a, b = _int4_pairs_dot2(w0, w1, s0, s1, x_even, x_odd, full // 2)
-    else:
-        a, b = _int4_dot2(w0, w1, s0, s1, x_even, x_odd, full, half)
-    a += _groups_int4(w0, s0, x_even, x_odd, x_sum, group, full) - _int4_correction(s0, x_sum, full)
-    b += _groups_int4(w1, s1, x_even, x_odd, x_sum, group, full) - _int4_correction(s1, x_sum, full)
-    return a, b
-
-
 # ---- activations -----------------------------------------------------------------------------------------------
 
 @njit(fastmath=True, cache=True)
@@ -396,27 +213,6 @@ def _block_sums(q, group, x_sum):
         x_sum[g] = total
 
 
-@njit(fastmath=True, cache=True)
-def _quantize_int4_row(x, x_even, x_odd, x_sum, group):
-    """x float32 [K] -> x_even / x_odd int8 [ceil(K / 2)] (columns 2b and 2b + 1 rounded, x_odd zero past an odd
-    K), x_sum: each group's sum of both over the bytes vector code covers (`_vector_end`); returns the scale."""
-    cols = x.shape[0]
-    amax = np.float32(0.0)
-    for j in range(cols):
-        amax = max(amax, abs(x[j]))
-    inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
-    for b in range(x_even.shape[0]):
-        x_even[b] = np.int8(np.rint(x[2 * b] * inv))
-        x_odd[b] = np.int8(np.rint(x[2 * b + 1] * inv)) if 2 * b + 1 < cols else np.int8(0)
-    half = group // 2
-    for g in range(x_sum.shape[0]):
-        total = 0
-        for b in range(g * half, _vector_end(g, half, x_even.shape[0])):
-            total += np.int64(x_even[b]) + np.int64(x_odd[b])
-        x_sum[g] = total
-    return amax / np.float32(127.0)
-
-
 @njit(**FLAGS)
 def prepare_int8(x, group, x_q, x_scale, x_sum):
     """x float32 [T, K] -> x_q int8 [T, K] (per-row absmax / 127), x_scale [T], x_sum int64 [T, G]."""
@@ -428,17 +224,6 @@ def prepare_int8(x, group, x_q, x_scale, x_sum):
         for t in prange(x.shape[0]):
             x_scale[t] = quantize_row(x[t], x_q[t])
             _block_sums(x_q[t], group, x_sum[t])
-
-
-@njit(**FLAGS)
-def prepare_int4(x, group, x_even, x_odd, x_scale, x_sum):
-    """x float32 [T, K] -> x_even / x_odd int8 [T, ceil(K / 2)], x_scale [T], x_sum int64 [T, G]."""
-    if x.shape[0] < SERIAL_ROWS:
-        for t in range(x.shape[0]):
-            x_scale[t] = _quantize_int4_row(x[t], x_even[t], x_odd[t], x_sum[t], group)
-    else:
-        for t in prange(x.shape[0]):
-            x_scale[t] = _quantize_int4_row(x[t], x_even[t], x_odd[t], x_sum[t], group)
 
 
 # ---- one partition of one layer, in one call -------------------------------------------------------------------
@@ -490,36 +275,3 @@ def down_row_int8(h, experts, offsets, pair_token, pair_weight, down, down_s, a_
         for p in range(offsets[u], offsets[u + 1]):
             dot = _dot_int8(down[e, h], down_s[e, h], a_q[p, :rows], a_sum[p], group_i)
             out[pair_token[p], h] += pair_weight[p] * a_scale[p] * dot
-
-
-@njit(**FLAGS)
-def decode_int4(x, experts, offsets, pair_token, pair_weight, gate, gate_s, up, up_s, down, down_s, group_h,
-                group_i, out):
-    """`decode_int8` for packed int4 weights (activations split into even and odd columns)."""
-    num_tokens, num_pairs, rows = x.shape[0], pair_token.shape[0], gate.shape[1]
-    x_even = np.empty((num_tokens, gate.shape[2]), dtype=np.int8)  # gate rows: ceil(H / 2) bytes
-    x_odd = np.empty_like(x_even)
-    x_scale = np.empty(num_tokens, dtype=np.float32)
-    x_sum = np.empty((num_tokens, gate_s.shape[2]), dtype=np.int64)
-    prepare_int4(x, group_h, x_even, x_odd, x_scale, x_sum)
-    act = np.empty((num_pairs, rows), dtype=np.float32)
-    for r in prange(experts.shape[0] * rows):
-        u, i = r // rows, r % rows
-        e = experts[u]
-        for p in range(offsets[u], offsets[u + 1]):
-            t = pair_token[p]
-            g, v = _dot2_int4(gate[e, i], gate_s[e, i], up[e, i], up_s[e, i], x_even[t], x_odd[t], x_sum[t],
-                              group_h)
-            g, v = g * x_scale[t], v * x_scale[t]
-            act[p, i] = g / (np.float32(1.0) + np.exp(-g)) * v
-    a_even = np.empty((num_pairs, down.shape[2]), dtype=np.int8)  # down rows: ceil(Ip / 2) bytes
-    a_odd = np.empty_like(a_even)
-    a_scale = np.empty(num_pairs, dtype=np.float32)
-    a_sum = np.empty((num_pairs, down_s.shape[2]), dtype=np.int64)
-    prepare_int4(act, group_i, a_even, a_odd, a_scale, a_sum)
-    for h in prange(down.shape[1]):
-        for u in range(experts.shape[0]):
-            e = experts[u]
-            for p in range(offsets[u], offsets[u + 1]):
-                dot = _dot_int4(down[e, h], down_s[e, h], a_even[p], a_odd[p], a_sum[p], group_i)
-                out[pair_token[p], h] += pair_weight[p] * a_scale[p] * dot

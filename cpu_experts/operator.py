@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from numba import njit
 
-from cpu_experts import kernels, kernels_vnni, prefill_amx, prefill_amx_grouped
+from cpu_experts import kernels, kernels_vnni, kernels_vnni_int4, prefill_amx, prefill_amx_grouped
 from cpu_experts.packed import PackedLayer
 from cpu_experts.prefill import DequantPrefill, Workspace
 from cpu_experts.prefill_int8 import Int8Prefill
@@ -158,7 +158,7 @@ class CpuMoE:
         """The integer (VNNI) streaming kernels on int8 activations; x float32 [T, H] -> [T, H]."""
         out = np.zeros_like(x)
         r = routing
-        decode = kernels_vnni.decode_int8 if self.spec.dtype == "int8" else kernels_vnni.decode_int4
+        decode = kernels_vnni.decode_int8 if self.spec.dtype == "int8" else kernels_vnni_int4.decode_int4
         group_h = self.spec.group(self.spec.hidden_size)
         for part in self.layer.partitions:
             decode(x, r.experts, r.offsets, r.pair_token, r.pair_weight, part.gate, part.gate_scales, part.up,

@@ -6,6 +6,7 @@ posted surface at `finish_step` and the next step is served; an idle pool sleeps
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 
@@ -24,15 +25,31 @@ play_gpu = functools.partial(play_gpu_within, timeout_s=30)  # a first call comp
 E, H, I, TOP_K = 8, 160, 200, 3  # noqa: E741 (the shape letters of the project); H: five 32-byte blocks, I: tails
 
 
-def make_ops(group: int, partitions: int, layers=(0, 2, 3)) -> dict[int, CpuMoE]:
+def make_ops(group: int, partitions: int, layers=(0, 2, 3), dtype: str = "int8") -> dict[int, CpuMoE]:
+    """dtype "int8", "int4", or "int4 bf16" (int4 with bfloat16 scales, as Kimi-K2's checkpoints store them)."""
     ops = {}
     for layer in layers:
         gen = torch.Generator().manual_seed(layer)
         ws = [torch.randn(shape, generator=gen) * 0.1 for shape in ((E, I, H), (E, I, H), (E, H, I))]
-        op = CpuMoE(PackedLayer.from_float(*ws, "int8", group, partitions), prefill_min_tokens=8)
+        packed = PackedLayer.from_float(*ws, dtype.split()[0], group, partitions)
+        if dtype == "int4 bf16":
+            packed = _bf16_scales(packed, group, partitions)
+        op = CpuMoE(packed, prefill_min_tokens=8)
         op.is_vnni = True  # the integer kernels (their generic form on a CPU without VNNI)
         ops[layer] = op
     return ops
+
+
+def _bf16_scales(packed: PackedLayer, group: int, partitions: int) -> PackedLayer:
+    """The same codes with their scales rounded to bfloat16 and stored so."""
+    assert len(packed.partitions) == 1
+    spec = dataclasses.replace(packed.spec, scale_dtype="bfloat16")
+    tensors = {}
+    for role in ("gate", "up", "down"):
+        part = packed.partitions[0]
+        tensors[f"{role}.weight"] = torch.from_numpy(getattr(part, role))
+        tensors[f"{role}.scales"] = torch.from_numpy(getattr(part, f"{role}_scales")).to(torch.bfloat16)
+    return PackedLayer.from_file_tensors(tensors, spec, partitions)
 
 
 def make_pool(ops, num_threads: int, max_tokens: int = 8):
@@ -51,9 +68,13 @@ def inputs(num_tokens: int, seed: int):
     return hidden, ids, torch.rand(num_tokens, TOP_K, generator=gen)
 
 
-@pytest.mark.parametrize("group,partitions,num_threads", [(0, 1, 2), (64, 3, 3), (0, 3, 1)])
-def test_steps_equal_the_operator(group, partitions, num_threads):
-    ops = make_ops(group, partitions)
+@pytest.mark.parametrize("group,partitions,num_threads,dtype", [
+    (0, 1, 2, "int8"), (64, 3, 3, "int8"), (0, 3, 1, "int8"), (32, 1, 3, "int4 bf16"), (64, 3, 2, "int4"),
+    (32, 3, 2, "int4")])
+def test_steps_equal_the_operator(group, partitions, num_threads, dtype):
+    """int4: group 32 (its two-groups-a-vector loop) with bfloat16 scales, and group 64; I = 200 leaves a last
+    group that fills no vector unit (the byte-at-a-time tail)."""
+    ops = make_ops(group, partitions, dtype=dtype)
     pool, executor = make_pool(ops, num_threads)
     try:
         for step, num_tokens in enumerate([1, 7, 2, 1]):
@@ -158,6 +179,7 @@ def test_a_dead_thread_stops_the_pool_and_is_reported(monkeypatch):
     monkeypatch.setattr(decode_pool, "_serve", failing)
     ops = make_ops(0, 1, layers=(0,))
     pool, executor = make_pool(ops, 2)
+    returned.clear()  # the pool's start-up call (`_compile`) returned on the constructing thread
     try:
         pool.arm(2, 1)
         pool.worker.flags[REQUEST] = 1  # thread 0 starts the layer and waits for thread 1 at the first barrier

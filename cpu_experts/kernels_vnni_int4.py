@@ -1,0 +1,348 @@
+"""Integer decode kernels (W8A8) for packed int4 experts on CPUs with VNNI (see `cpu_experts.kernels_vnni` for the
+int8 ones and the LLVM IR helpers both use).
+
+Weights: nibbles 0..15 are codes -8..7 (`cpu_experts.formats`), even column in the low nibble; scales float32 or
+bfloat16 (uint16 bits, widened in registers). Activations arrive split (`prepare_int4`): x_even / x_odd int8
+[T, ceil(K / 2)] (columns 2b and 2b + 1 rounded to the row's int8 grid), x_scale [T], and x_corr int32
+[T, U * 8], the correction for the nibbles' + 8 (`vpdpbusd` multiplies unsigned by signed bytes): for each vector
+unit u of the row (a scale group of whole 32-byte blocks, or with group 32 a 32-byte block holding two groups),
+-8 times the sums of x_even + x_odd over the 4-byte lanes of its blocks. The unit's integer accumulator starts
+from it, so each lane's sum is the signed dot itself and the row pays no scalar correction pass (which, one step
+per group, took three times as long as the vector loop at group 32).
+A last group that fills no whole unit is summed byte by byte on signed codes (`_groups_int4`).
+
+Each weight row is one call into LLVM IR; the gate and up rows of a token run in the same loop. Group 32 (16
+bytes, half a 32-byte vector: Kimi-K2's INT4) has a loop of its own: each vector holds two groups, its low four
+int32 lanes one and its high four the other, scaled by a vector of the two scales.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from cpu_experts.kernels import scale_value, silu_mul
+from cpu_experts.kernels_vnni import _IR, F8, F32, FLAGS, I16, SERIAL_ROWS, V8
+
+PAIR_GROUP_BYTES = 16  # a group of 32 int4 columns: half of a 32-byte vector
+LANES = 8  # int32 lanes of a 32-byte vector: the corrections' width
+DOWN_ROWS = 16  # output columns a work item of the down projection owns (its rows run four a call)
+
+
+# ---- LLVM IR: whole-row dot products ---------------------------------------------------------------------------
+# The intrinsics take whole arrays and indices, not row slices: a slice in numba is a new array holding a reference
+# to its parent, and the reference count's atomic add and subtract on the parent (every thread's rows share one)
+# cost more than a short row's dot product.
+
+def _row_pointer(g, ty, val, indices, elem):
+    """&array[indices...] as an `elem` pointer (the leading len(indices) dimensions; byte strides)."""
+    array = g.context.make_array(ty)(g.context, g.b, val)
+    strides = cgutils.unpack_tuple(g.b, array.strides)
+    offset = ir.Constant(ir.IntType(64), 0)
+    for index, stride in zip(indices, strides, strict=False):
+        offset = g.b.add(offset, g.b.mul(index, stride))
+    return g.b.bitcast(g.b.gep(g.b.bitcast(array.data, ir.IntType(8).as_pointer()), [offset]), elem.as_pointer())
+
+
+def _int4_codegen(weights: tuple[tuple[int, int, int], ...], is_pairs: bool):
+    """Intrinsic arguments: weight and scale arrays [E, N, ...], then e, n, x_even, x_odd, x_corr ([T, ...]), t,
+    num_units, half. `weights`: (weight argument, scale argument, row offset) of each row dotted: row n + offset of
+    expert e. Over the first `num_units` units of each row: sum_u scale(u) . (corr[u] + lo(w) . x_even + hi(w) .
+    x_odd), the unit's integer lanes started from its correction vector, converted and scaled in float vectors.
+    Units: groups of `half` bytes (a multiple of 32), or (`is_pairs`) 32-byte blocks of two 16-byte groups."""
+    def codegen(context, builder, sig, args):
+        g = _IR(context, builder)
+        num_arrays = 1 + max(max(w, s) for w, s, _ in weights)
+        e, n, x_even, x_odd, x_corr, t, num_units, half = args[num_arrays:]
+        ty = dict(enumerate(sig.args))
+        rows, scales = [], []
+        for w_arg, s_arg, offset in weights:
+            row = builder.add(n, ir.Constant(n.type, offset))
+            rows.append(_row_pointer(g, ty[w_arg], args[w_arg], (e, row), ir.IntType(8)))
+            is_bf16 = ty[s_arg].dtype == types.uint16
+            scales.append((_row_pointer(g, ty[s_arg], args[s_arg], (e, row), I16 if is_bf16 else F32), is_bf16))
+        x_index = num_arrays + 2
+        xe_ptr, xo_ptr = (_row_pointer(g, ty[x_index + k], args[x_index + k], (t,), ir.IntType(8)) for k in range(2))
+        corr = _row_pointer(g, ty[x_index + 2], x_corr, (t,), ir.IntType(32))
+        c32, lanes = ir.Constant(half.type, 32), ir.Constant(half.type, LANES)
+        nibble, four = ir.Constant(V8, [0x0F0F0F0F] * LANES), ir.Constant(V8, [4] * LANES)
+        halves = ir.Constant(V8, [0, 0, 0, 0, 1, 1, 1, 1])
+        faccs = [g.zeroed(F8) for _ in rows]
+        dots = [g.zeroed(V8) for _ in rows]
+        with cgutils.for_range(builder, num_units) as unit_loop:
+            start = builder.load(builder.bitcast(builder.gep(corr, [builder.mul(unit_loop.index, lanes)]),
+                                                 V8.as_pointer()), align=1)
+            base = builder.mul(unit_loop.index, c32 if is_pairs else half)
+
+            def block(offset, values):
+                xe, xo = g.load(xe_ptr, offset), g.load(xo_ptr, offset)
+                out = []
+                for row, value in zip(rows, values, strict=True):
+                    g.prefetch(row, offset)
+                    w = g.load(row, offset)
+                    low = g.vnni(value, builder.and_(w, nibble), xe)
+                    out.append(g.vnni(low, builder.and_(builder.lshr(w, four), nibble), xo))
+                return out
+
+            if is_pairs:  # one block a unit: straight-line code
+                sums = block(base, [start] * len(rows))
+            else:
+                for dot in dots:
+                    builder.store(start, dot)
+                with cgutils.for_range(builder, builder.sdiv(half, c32)) as block_loop:
+                    values = block(builder.add(base, builder.mul(block_loop.index, c32)),
+                                   [builder.load(dot) for dot in dots])
+                    for dot, value in zip(dots, values, strict=True):
+                        builder.store(value, dot)
+                sums = [builder.load(dot) for dot in dots]
+            for j in range(len(rows)):
+                if is_pairs:
+                    pair = g.load_scale(scales[j], builder.add(unit_loop.index, unit_loop.index), 2)
+                    scale = builder.shuffle_vector(pair, pair, halves)
+                else:
+                    scale = g.splat(g.load_scale(scales[j], unit_loop.index))
+                fma = g.call("llvm.fma.v8f32", F8, [F8, F8, F8], [builder.sitofp(sums[j], F8), scale,
+                                                                 builder.load(faccs[j])])
+                builder.store(fma, faccs[j])
+        totals = [_sum_lanes(builder, builder.load(acc)) for acc in faccs]
+        return totals[0] if len(totals) == 1 else context.make_tuple(builder, sig.return_type, totals)
+    return codegen
+
+
+def _sum_lanes(builder, vec):
+    """The float lanes' sum as a tree (`reassoc`): the ordered reduction is a chain of eight dependent adds a row."""
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(F32, [F32, F8]),
+                                        "llvm.vector.reduce.fadd.v8f32")
+    return builder.call(fn, [ir.Constant(F32, -0.0), vec], fastmath=("reassoc", "nsz"))
+
+
+ONE_ROW = ((0, 1, 0),)
+GATE_UP = ((0, 2, 0), (1, 3, 0))  # gate, up, gate_s, up_s
+FOUR_ROWS = tuple((0, 1, k) for k in range(4))
+
+
+@intrinsic
+def _row_dot(typingctx, w, s, e, n, x_even, x_odd, x_corr, t, num_units, half):
+    """Row w[e, n] (scales s[e, n]) against activation row t: the corrected, scaled dot over its first num_units
+    units (`_int4_codegen`); `half` 16 takes the group-32 loop."""
+    sig = types.float32(w, s, e, n, x_even, x_odd, x_corr, t, num_units, half)
+    return sig, _dispatch(ONE_ROW)
+
+
+@intrinsic
+def _gate_up_dots(typingctx, gate, up, gate_s, up_s, e, n, x_even, x_odd, x_corr, t, num_units, half):
+    """`_row_dot` of gate[e, n] and up[e, n] in one loop."""
+    sig = types.UniTuple(types.float32, 2)(gate, up, gate_s, up_s, e, n, x_even, x_odd, x_corr, t, num_units, half)
+    return sig, _dispatch(GATE_UP)
+
+
+@intrinsic
+def _four_dots(typingctx, w, s, e, n, x_even, x_odd, x_corr, t, num_units, half):
+    """`_row_dot` of rows n..n + 3 of w[e] in one loop."""
+    sig = types.UniTuple(types.float32, 4)(w, s, e, n, x_even, x_odd, x_corr, t, num_units, half)
+    return sig, _dispatch(FOUR_ROWS)
+
+
+def _dispatch(weights):
+    """One function: the group-32 loop when half is 16, the grouped loop otherwise (a branch per row call)."""
+    pairs, units = _int4_codegen(weights, True), _int4_codegen(weights, False)
+
+    def codegen(context, builder, sig, args):
+        half = args[-1]
+        is_pairs = builder.icmp_signed("==", half, ir.Constant(half.type, PAIR_GROUP_BYTES))
+        with builder.if_else(is_pairs) as (then, otherwise):
+            with then:
+                value_pairs = pairs(context, builder, sig, args)
+                block_pairs = builder.block
+            with otherwise:
+                value_units = units(context, builder, sig, args)
+                block_units = builder.block
+        phi = builder.phi(value_pairs.type)
+        phi.add_incoming(value_pairs, block_pairs)
+        phi.add_incoming(value_units, block_units)
+        return phi
+    return codegen
+
+
+# ---- row dot products ------------------------------------------------------------------------------------------
+
+@njit(fastmath=True, cache=True)
+def vector_units(num_bytes, half):
+    """(units, groups) the vector loops cover of a row of `num_bytes`: groups of whole 32-byte blocks (`half`, the
+    group's bytes, a multiple of 32), or 32-byte blocks of two 16-byte groups (group 32); `_groups_int4` takes
+    the groups after them."""
+    if half % 32 == 0:
+        return num_bytes // half, num_bytes // half
+    if half == PAIR_GROUP_BYTES:
+        return num_bytes // 32, num_bytes // 32 * 2
+    return 0, 0
+
+
+@njit(fastmath=True, cache=True)
+def _groups_int4(w, s, e, n, x_even, x_odd, t, group, first):
+    """Row w[e, n] . x[t] over groups `first`.. one byte at a time, on signed codes (a last group that fills no
+    whole vector unit). Indexed in place, like the intrinsics (see above: no slices)."""
+    half = group // 2  # group is even, so a group is whole bytes; x_odd is zero past an odd K
+    num_bytes = w.shape[2]
+    acc = np.float32(0.0)
+    for g in range(first, s.shape[2]):
+        total = np.int64(0)
+        for b in range(g * half, min(g * half + half, num_bytes)):
+            byte = np.int64(w[e, n, b])
+            total += ((byte & 15) - 8) * np.int64(x_even[t, b]) + ((byte >> 4) - 8) * np.int64(x_odd[t, b])
+        acc += np.float32(total) * scale_value(s[e, n, g])
+    return acc
+
+
+@njit(fastmath=True, cache=True)
+def row_layout(num_bytes, group):
+    """(units, full groups, half) of rows of `num_bytes` int4 bytes with this group: the row calls' loop bounds,
+    computed once per call (integer divisions cost more than a short row's loop control)."""
+    half = group // 2
+    units, full = vector_units(num_bytes, half)
+    return units, full, half
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def _dot_int4(w, s, e, n, x_even, x_odd, x_corr, t, group, layout):
+    """w[e, n] . x[t] (scales s[e, n]): the vector units, then any last group byte by byte."""
+    units, full, half = layout
+    acc = _row_dot(w, s, e, n, x_even, x_odd, x_corr, t, units, half)
+    if full < s.shape[2]:
+        acc += _groups_int4(w, s, e, n, x_even, x_odd, t, group, full)
+    return acc
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def _dot_gate_up(gate, up, gate_s, up_s, e, n, x_even, x_odd, x_corr, t, group, layout):
+    units, full, half = layout
+    a, b = _gate_up_dots(gate, up, gate_s, up_s, e, n, x_even, x_odd, x_corr, t, units, half)
+    if full < gate_s.shape[2]:
+        a += _groups_int4(gate, gate_s, e, n, x_even, x_odd, t, group, full)
+        b += _groups_int4(up, up_s, e, n, x_even, x_odd, t, group, full)
+    return a, b
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def _dot_four(w, s, e, n, x_even, x_odd, x_corr, t, group, layout):
+    """Rows n..n + 3 of w[e] against x[t], in one loop."""
+    units, full, half = layout
+    d0, d1, d2, d3 = _four_dots(w, s, e, n, x_even, x_odd, x_corr, t, units, half)
+    if full < s.shape[2]:
+        d0 += _groups_int4(w, s, e, n, x_even, x_odd, t, group, full)
+        d1 += _groups_int4(w, s, e, n + 1, x_even, x_odd, t, group, full)
+        d2 += _groups_int4(w, s, e, n + 2, x_even, x_odd, t, group, full)
+        d3 += _groups_int4(w, s, e, n + 3, x_even, x_odd, t, group, full)
+    return d0, d1, d2, d3
+
+
+# ---- activations -----------------------------------------------------------------------------------------------
+
+def num_corrections(num_bytes: int, group: int) -> int:
+    """x_corr's width for rows of `num_bytes` int4 bytes: LANES per vector unit (at least 1, for empty shapes)."""
+    return max(1, vector_units(num_bytes, group // 2)[0]) * LANES
+
+
+@njit(fastmath=True, cache=True)
+def quantize_int4_row(x, x_even, x_odd, x_corr, group):
+    """x float32 [K] -> x_even / x_odd int8 [ceil(K / 2)] (columns 2b and 2b + 1 rounded, x_odd zero past an odd
+    K) and x_corr (see the module); returns the row's scale."""
+    cols = x.shape[0]
+    amax = np.float32(0.0)
+    for j in range(cols):
+        amax = max(amax, abs(x[j]))
+    inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
+    for b in range(x_even.shape[0]):
+        x_even[b] = np.int8(np.rint(x[2 * b] * inv))
+        x_odd[b] = np.int8(np.rint(x[2 * b + 1] * inv)) if 2 * b + 1 < cols else np.int8(0)
+    half = group // 2
+    units, _ = vector_units(x_even.shape[0], half)
+    unit_bytes = 32 if half == PAIR_GROUP_BYTES else half
+    for u in range(units):
+        for lane in range(LANES):
+            total = 0
+            for block in range(u * unit_bytes, (u + 1) * unit_bytes, 32):
+                for b in range(block + 4 * lane, block + 4 * lane + 4):
+                    total += np.int32(x_even[b]) + np.int32(x_odd[b])
+            x_corr[u * LANES + lane] = -8 * total
+    return amax / np.float32(127.0)
+
+
+@njit(**FLAGS)
+def prepare_int4(x, group, x_even, x_odd, x_scale, x_corr):
+    """x float32 [T, K] -> x_even / x_odd int8 [T, ceil(K / 2)], x_scale [T], x_corr int32 [T, U * 8]."""
+    if x.shape[0] < SERIAL_ROWS:
+        for t in range(x.shape[0]):
+            x_scale[t] = quantize_int4_row(x[t], x_even[t], x_odd[t], x_corr[t], group)
+    else:
+        for t in prange(x.shape[0]):
+            x_scale[t] = quantize_int4_row(x[t], x_even[t], x_odd[t], x_corr[t], group)
+
+
+# ---- one partition of one layer, in one call -------------------------------------------------------------------
+
+@njit(**FLAGS)
+def decode_int4(x, experts, offsets, pair_token, pair_weight, gate, gate_s, up, up_s, down, down_s, group_h,
+                group_i, out):
+    """out[T, H] += this partition's experts on x float32 [T, H] (`kernels_vnni.decode_int8` for packed int4)."""
+    num_tokens, num_pairs, rows = x.shape[0], pair_token.shape[0], gate.shape[1]
+    x_even = np.empty((num_tokens, gate.shape[2]), dtype=np.int8)  # gate rows: ceil(H / 2) bytes
+    x_odd = np.empty_like(x_even)
+    x_scale = np.empty(num_tokens, dtype=np.float32)
+    x_corr = np.empty((num_tokens, max(1, vector_units(gate.shape[2], group_h // 2)[0]) * LANES), dtype=np.int32)
+    prepare_int4(x, group_h, x_even, x_odd, x_scale, x_corr)
+    act = np.empty((num_pairs, rows), dtype=np.float32)
+    for r in prange(experts.shape[0] * rows):
+        gate_up_item_int4(r, experts, offsets, pair_token, gate, gate_s, up, up_s, x_even, x_odd, x_corr, x_scale,
+                          group_h, act)
+    a_even = np.empty((num_pairs, down.shape[2]), dtype=np.int8)  # down rows: ceil(Ip / 2) bytes
+    a_odd = np.empty_like(a_even)
+    a_scale = np.empty(num_pairs, dtype=np.float32)
+    a_corr = np.empty((num_pairs, max(1, vector_units(down.shape[2], group_i // 2)[0]) * LANES), dtype=np.int32)
+    prepare_int4(act, group_i, a_even, a_odd, a_scale, a_corr)
+    num_hidden = down.shape[1]
+    for block in prange(-(-num_hidden // DOWN_ROWS)):
+        down_rows_int4(block * DOWN_ROWS, min(block * DOWN_ROWS + DOWN_ROWS, num_hidden), experts, offsets,
+                       pair_token, pair_weight, down, down_s, a_even, a_odd, a_corr, a_scale, group_i, out)
+
+
+# The bodies of decode_int4's two loops, shared with `cpu_experts.decode_pool` (which splits the same items over its
+# own threads), so the two compute every output element with the same sums in the same order.
+
+@njit(fastmath=True, cache=True, inline="always")
+def gate_up_item_int4(r, experts, offsets, pair_token, gate, gate_s, up, up_s, x_even, x_odd, x_corr, x_scale,
+                      group_h, act):
+    """Work item r = (routed expert u, row i): act[p, i] = silu(gate . x_t) * (up . x_t) for u's pairs p."""
+    rows = gate.shape[1]
+    u, i = r // rows, r % rows
+    e = experts[u]
+    layout = row_layout(gate.shape[2], group_h)
+    for p in range(offsets[u], offsets[u + 1]):
+        t = pair_token[p]
+        g, v = _dot_gate_up(gate, up, gate_s, up_s, e, i, x_even, x_odd, x_corr, t, group_h, layout)
+        act[p, i] = silu_mul(g * x_scale[t], v * x_scale[t])
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def down_rows_int4(lo, hi, experts, offsets, pair_token, pair_weight, down, down_s, a_even, a_odd, a_corr, a_scale,
+                   group_i, out):
+    """Output columns lo..hi: out[t, h] += w * (down[e, h] . act_p) over every routed expert e and its pairs p,
+    four rows of down a call (one pass over the activation for four weight rows). a_even / a_odd may be wider than
+    down's rows (the pool's scratch): only the first columns are read."""
+    layout = row_layout(down.shape[2], group_i)
+    for u in range(experts.shape[0]):
+        e = experts[u]
+        for p in range(offsets[u], offsets[u + 1]):
+            t, weight = pair_token[p], pair_weight[p] * a_scale[p]
+            four_end = lo + (hi - lo) // 4 * 4
+            for h in range(lo, four_end, 4):
+                d0, d1, d2, d3 = _dot_four(down, down_s, e, h, a_even, a_odd, a_corr, p, group_i, layout)
+                out[t, h] += weight * d0
+                out[t, h + 1] += weight * d1
+                out[t, h + 2] += weight * d2
+                out[t, h + 3] += weight * d3
+            for h in range(four_end, hi):
+                out[t, h] += weight * _dot_int4(down, down_s, e, h, a_even, a_odd, a_corr, p, group_i, layout)
