@@ -29,8 +29,10 @@ from cpu_experts.packed import PackedLayer, PartitionWeights
 
 # shape -> (experts, hidden, intermediate, top-k)
 SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8), "qwen3-235b-a22b": (128, 4096, 1536, 8),
-          "deepseek-v3": (256, 7168, 2048, 8), "small": (32, 512, 256, 4)}
-GROUPS = {"int8": 0, "int4": 128}
+          "deepseek-v3": (256, 7168, 2048, 8), "kimi-k2.5": (384, 7168, 2048, 8), "small": (32, 512, 256, 4)}
+GROUPS = {"int8": 0, "int4": 128, "int4-g32": 32}
+# --dtype spellings that are not an expert dtype's own name: (dtype, scale dtype)
+VARIANTS = {"int4-g32": ("int4", "bfloat16")}  # Kimi-K2's INT4 as published: group 32, bfloat16 scales
 ROW_SECONDS = 10.0
 
 
@@ -110,13 +112,16 @@ def _timed(fn) -> float:
 
 def random_layer(shape: str, dtype: str, seed: int) -> PackedLayer:
     num_experts, hidden, inter, _ = SHAPES[shape]
-    spec = ExpertLayerSpec(num_experts, hidden, inter, dtype, GROUPS[dtype])
+    base, scale_dtype = VARIANTS.get(dtype, (dtype, "float32"))
+    spec = ExpertLayerSpec(num_experts, hidden, inter, base, GROUPS[dtype], scale_dtype)
     rng = np.random.default_rng(seed)
     block = rng.integers(0, 256, size=1 << 24, dtype=np.uint8)  # tiled: generating gigabytes would dominate
     arrays = {}
     for name, (dims, tdtype) in spec.tensor_shapes().items():
         if tdtype == torch.float32:
             arrays[name] = (rng.random(dims, dtype=np.float32) * 1e-3)
+        elif tdtype == torch.bfloat16 and name.endswith("scales"):  # random bits would include subnormals
+            arrays[name] = torch.full(dims, 1e-3, dtype=tdtype).view(torch.uint16).numpy()
         else:
             array = memory.empty_tensor(dims, tdtype).numpy()
             flat = array.reshape(-1).view(np.uint8)
@@ -180,7 +185,7 @@ def run(args) -> list[dict]:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="hybrid-bench cpu-moe", description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
-    parser.add_argument("--dtype", default="int8", help="comma-separated: int8,int4")
+    parser.add_argument("--dtype", default="int8", help="comma-separated: int8,int4,int4-g32 (group 32, bf16 scales)")
     parser.add_argument("--tokens", default="1,4,32,512,2048", help="comma-separated token counts")
     parser.add_argument("--paths", default="kernel", help="comma-separated: kernel (as it runs), matmul")
     parser.add_argument("--layers", type=int, default=0, help="layers to rotate over (default: 8x the LLC)")
