@@ -16,7 +16,7 @@ Protocol (the device side is unchanged: `hybrid.cuda_graphs.GraphHandoff` on the
 4. the last thread to finish clears the request flag, counts the layer, opens the next one (the epoch word) and
    posts done = layer + 1.
 Numerics: the executor's kernels' own loop bodies (`kernels_vnni.gate_up_item_int8`, `down_row_int8`;
-`kernels_vnni_int4.gate_up_item_int4`, `down_rows_int4`), so a graph step served here equals one served by the
+`kernels_vnni_int4.gate_up_rows_int4`, `down_rows_int4`), so a graph step served here equals one served by the
 executor, bit for bit. Scope: W8A8 int8 or int4 experts (int4 scales float32 or bfloat16), one format for all the
 pool's layers, on the integer kernels (`CpuMoE.is_vnni`), steps below every layer's prefill threshold (`serves`);
 other steps stay with the `FlagWorker`.
@@ -77,7 +77,7 @@ from cpu_experts.executor import CpuExpertsError
 from cpu_experts.flag_worker import FlagWorker
 from cpu_experts.kernels import quantize_row
 from cpu_experts.kernels_vnni import _block_sums, down_row_int8, gate_up_item_int8
-from cpu_experts.kernels_vnni_int4 import down_rows_int4, gate_up_item_int4, num_corrections, quantize_int4_row
+from cpu_experts.kernels_vnni_int4 import down_rows_int4, gate_up_rows_int4, num_corrections, quantize_int4_row
 from cpu_experts.operator import CpuMoE, _route
 from cpu_experts.topology import pin_current_thread
 
@@ -171,9 +171,8 @@ def _partition_int4(tid, num_threads, ctl, slots, s, routing, num_tokens, gate, 
     x_even, x_odd, x_corr, x_scale = x4
     a_even, a_odd, a_corr, a_scale = a4
     lo, hi = _share(experts.shape[0] * gate.shape[1], tid, num_threads)
-    for r in range(lo, hi):
-        gate_up_item_int4(r, experts, offsets, pair_token, gate, gate_s, up, up_s, x_even, x_odd, x_corr, x_scale,
-                          slots[s, GROUP_H], act)
+    gate_up_rows_int4(lo, hi, experts, offsets, pair_token, gate, gate_s, up, up_s, x_even, x_odd, x_corr, x_scale,
+                      slots[s, GROUP_H], act)
     _barrier(ctl, num_threads)
     _quantize_rows_int4(tid, num_threads, act, pair_token.shape[0], slots[s, ROWS], slots[s, GROUP_I], a_even, a_odd,
                         a_scale, a_corr)

@@ -30,6 +30,7 @@ from cpu_experts.kernels_vnni import _IR, F8, F32, FLAGS, I16, SERIAL_ROWS, V8
 PAIR_GROUP_BYTES = 16  # a group of 32 int4 columns: half of a 32-byte vector
 LANES = 8  # int32 lanes of a 32-byte vector: the corrections' width
 DOWN_ROWS = 16  # output columns a work item of the down projection owns (its rows run four a call)
+GATE_UP_ROWS = 16  # (expert, row) items of gate/up a work item owns
 
 
 # ---- LLVM IR: whole-row dot products ---------------------------------------------------------------------------
@@ -206,39 +207,6 @@ def row_layout(num_bytes, group):
     return units, full, half
 
 
-@njit(fastmath=True, cache=True, inline="always")
-def _dot_int4(w, s, e, n, x_even, x_odd, x_corr, t, group, layout):
-    """w[e, n] . x[t] (scales s[e, n]): the vector units, then any last group byte by byte."""
-    units, full, half = layout
-    acc = _row_dot(w, s, e, n, x_even, x_odd, x_corr, t, units, half)
-    if full < s.shape[2]:
-        acc += _groups_int4(w, s, e, n, x_even, x_odd, t, group, full)
-    return acc
-
-
-@njit(fastmath=True, cache=True, inline="always")
-def _dot_gate_up(gate, up, gate_s, up_s, e, n, x_even, x_odd, x_corr, t, group, layout):
-    units, full, half = layout
-    a, b = _gate_up_dots(gate, up, gate_s, up_s, e, n, x_even, x_odd, x_corr, t, units, half)
-    if full < gate_s.shape[2]:
-        a += _groups_int4(gate, gate_s, e, n, x_even, x_odd, t, group, full)
-        b += _groups_int4(up, up_s, e, n, x_even, x_odd, t, group, full)
-    return a, b
-
-
-@njit(fastmath=True, cache=True, inline="always")
-def _dot_four(w, s, e, n, x_even, x_odd, x_corr, t, group, layout):
-    """Rows n..n + 3 of w[e] against x[t], in one loop."""
-    units, full, half = layout
-    d0, d1, d2, d3 = _four_dots(w, s, e, n, x_even, x_odd, x_corr, t, units, half)
-    if full < s.shape[2]:
-        d0 += _groups_int4(w, s, e, n, x_even, x_odd, t, group, full)
-        d1 += _groups_int4(w, s, e, n + 1, x_even, x_odd, t, group, full)
-        d2 += _groups_int4(w, s, e, n + 2, x_even, x_odd, t, group, full)
-        d3 += _groups_int4(w, s, e, n + 3, x_even, x_odd, t, group, full)
-    return d0, d1, d2, d3
-
-
 # ---- activations -----------------------------------------------------------------------------------------------
 
 def num_corrections(num_bytes: int, group: int) -> int:
@@ -295,9 +263,10 @@ def decode_int4(x, experts, offsets, pair_token, pair_weight, gate, gate_s, up, 
     x_corr = np.empty((num_tokens, max(1, vector_units(gate.shape[2], group_h // 2)[0]) * LANES), dtype=np.int32)
     prepare_int4(x, group_h, x_even, x_odd, x_scale, x_corr)
     act = np.empty((num_pairs, rows), dtype=np.float32)
-    for r in prange(experts.shape[0] * rows):
-        gate_up_item_int4(r, experts, offsets, pair_token, gate, gate_s, up, up_s, x_even, x_odd, x_corr, x_scale,
-                          group_h, act)
+    num_items = experts.shape[0] * rows
+    for chunk in prange(-(-num_items // GATE_UP_ROWS)):
+        gate_up_rows_int4(chunk * GATE_UP_ROWS, min(chunk * GATE_UP_ROWS + GATE_UP_ROWS, num_items), experts,
+                          offsets, pair_token, gate, gate_s, up, up_s, x_even, x_odd, x_corr, x_scale, group_h, act)
     a_even = np.empty((num_pairs, down.shape[2]), dtype=np.int8)  # down rows: ceil(Ip / 2) bytes
     a_odd = np.empty_like(a_even)
     a_scale = np.empty(num_pairs, dtype=np.float32)
@@ -313,17 +282,29 @@ def decode_int4(x, experts, offsets, pair_token, pair_weight, gate, gate_s, up, 
 # own threads), so the two compute every output element with the same sums in the same order.
 
 @njit(fastmath=True, cache=True, inline="always")
-def gate_up_item_int4(r, experts, offsets, pair_token, gate, gate_s, up, up_s, x_even, x_odd, x_corr, x_scale,
+def gate_up_rows_int4(lo, hi, experts, offsets, pair_token, gate, gate_s, up, up_s, x_even, x_odd, x_corr, x_scale,
                       group_h, act):
-    """Work item r = (routed expert u, row i): act[p, i] = silu(gate . x_t) * (up . x_t) for u's pairs p."""
+    """Work items lo..hi, item r = (routed expert u, row i) = divmod(r, I): act[p, i] = silu(gate . x_t) *
+    (up . x_t) for u's pairs p. The intrinsics are called here directly: through a numba-level helper, every row
+    paid for the helper's array copies (reference counts) and the tail's call, half again its loop's time."""
     rows = gate.shape[1]
-    u, i = r // rows, r % rows
-    e = experts[u]
-    layout = row_layout(gate.shape[2], group_h)
-    for p in range(offsets[u], offsets[u + 1]):
-        t = pair_token[p]
-        g, v = _dot_gate_up(gate, up, gate_s, up_s, e, i, x_even, x_odd, x_corr, t, group_h, layout)
-        act[p, i] = silu_mul(g * x_scale[t], v * x_scale[t])
+    units, full, half = row_layout(gate.shape[2], group_h)
+    has_tail = full < gate_s.shape[2]
+    r = lo
+    while r < hi:
+        u = r // rows
+        first = r - u * rows
+        last = min(rows, first + hi - r)
+        e = experts[u]
+        for i in range(first, last):
+            for p in range(offsets[u], offsets[u + 1]):
+                t = pair_token[p]
+                g, v = _gate_up_dots(gate, up, gate_s, up_s, e, i, x_even, x_odd, x_corr, t, units, half)
+                if has_tail:
+                    g += _groups_int4(gate, gate_s, e, i, x_even, x_odd, t, group_h, full)
+                    v += _groups_int4(up, up_s, e, i, x_even, x_odd, t, group_h, full)
+                act[p, i] = silu_mul(g * x_scale[t], v * x_scale[t])
+        r += last - first
 
 
 @njit(fastmath=True, cache=True, inline="always")
@@ -332,17 +313,26 @@ def down_rows_int4(lo, hi, experts, offsets, pair_token, pair_weight, down, down
     """Output columns lo..hi: out[t, h] += w * (down[e, h] . act_p) over every routed expert e and its pairs p,
     four rows of down a call (one pass over the activation for four weight rows). a_even / a_odd may be wider than
     down's rows (the pool's scratch): only the first columns are read."""
-    layout = row_layout(down.shape[2], group_i)
+    units, full, half = row_layout(down.shape[2], group_i)
+    has_tail = full < down_s.shape[2]
+    four_end = lo + (hi - lo) // 4 * 4
     for u in range(experts.shape[0]):
         e = experts[u]
         for p in range(offsets[u], offsets[u + 1]):
             t, weight = pair_token[p], pair_weight[p] * a_scale[p]
-            four_end = lo + (hi - lo) // 4 * 4
             for h in range(lo, four_end, 4):
-                d0, d1, d2, d3 = _dot_four(down, down_s, e, h, a_even, a_odd, a_corr, p, group_i, layout)
+                d0, d1, d2, d3 = _four_dots(down, down_s, e, h, a_even, a_odd, a_corr, p, units, half)
+                if has_tail:
+                    d0 += _groups_int4(down, down_s, e, h, a_even, a_odd, p, group_i, full)
+                    d1 += _groups_int4(down, down_s, e, h + 1, a_even, a_odd, p, group_i, full)
+                    d2 += _groups_int4(down, down_s, e, h + 2, a_even, a_odd, p, group_i, full)
+                    d3 += _groups_int4(down, down_s, e, h + 3, a_even, a_odd, p, group_i, full)
                 out[t, h] += weight * d0
                 out[t, h + 1] += weight * d1
                 out[t, h + 2] += weight * d2
                 out[t, h + 3] += weight * d3
             for h in range(four_end, hi):
-                out[t, h] += weight * _dot_int4(down, down_s, e, h, a_even, a_odd, a_corr, p, group_i, layout)
+                d = _row_dot(down, down_s, e, h, a_even, a_odd, a_corr, p, units, half)
+                if has_tail:
+                    d += _groups_int4(down, down_s, e, h, a_even, a_odd, p, group_i, full)
+                out[t, h] += weight * d
