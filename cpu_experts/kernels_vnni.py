@@ -36,6 +36,12 @@ I8, I16, I32, F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType(
 V8, F8 = ir.VectorType(I32, 8), ir.VectorType(F32, 8)
 
 
+def has_vnni512() -> bool:
+    """512-bit `vpdpbusd` (AVX512-VNNI with AVX512BW)."""
+    features = llvm.get_host_cpu_features()
+    return bool(features.get("avx512vnni") and features.get("avx512bw") and features.get("avx512f"))
+
+
 def has_vnni() -> bool:
     features = llvm.get_host_cpu_features()
     return bool(features.get("avxvnni") or (features.get("avx512vnni") and features.get("avx512vl")))

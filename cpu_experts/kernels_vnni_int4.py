@@ -4,16 +4,16 @@ int8 ones and the LLVM IR helpers both use).
 Weights: nibbles 0..15 are codes -8..7 (`cpu_experts.formats`), even column in the low nibble; scales float32 or
 bfloat16 (uint16 bits, widened in registers). Activations arrive split (`prepare_int4`): x_even / x_odd int8
 [T, ceil(K / 2)] (columns 2b and 2b + 1 rounded to the row's int8 grid), x_scale [T], and x_corr int32
-[T, U * 8], the correction for the nibbles' + 8 (`vpdpbusd` multiplies unsigned by signed bytes): for each vector
-unit u of the row (a scale group of whole 32-byte blocks, or with group 32 a 32-byte block holding two groups),
--8 times the sums of x_even + x_odd over the 4-byte lanes of its blocks. The unit's integer accumulator starts
+[T, U * LANES], the correction for the nibbles' + 8 (`vpdpbusd` multiplies unsigned by signed bytes): for each
+vector unit u of the row (a scale group of whole vectors, or one vector holding several 16- or 32-byte groups),
+-8 times the sums of x_even + x_odd over the 4-byte lanes of its vectors. The unit's integer accumulator starts
 from it, so each lane's sum is the signed dot itself and the row pays no scalar correction pass (which, one step
-per group, took three times as long as the vector loop at group 32).
-A last group that fills no whole unit is summed byte by byte on signed codes (`_groups_int4`).
+per group, took three times as long as the vector loop at group 32). A last group that fills no whole unit is
+summed byte by byte on signed codes (`_groups_int4`).
 
-Each weight row is one call into LLVM IR; the gate and up rows of a token run in the same loop. Group 32 (16
-bytes, half a 32-byte vector: Kimi-K2's INT4) has a loop of its own: each vector holds two groups, its low four
-int32 lanes one and its high four the other, scaled by a vector of the two scales.
+Vectors are 64 bytes where the CPU has 512-bit VNNI, else 32. Each weight row is one call into LLVM IR that
+addresses the row in place; gate and up rows of a token run in one loop, down rows four a call. Group 32 (16
+bytes: Kimi-K2's INT4) puts four groups in a 64-byte vector, each four int32 lanes scaled by its own scale.
 """
 
 from __future__ import annotations
@@ -25,10 +25,12 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from cpu_experts.kernels import scale_value, silu_mul
-from cpu_experts.kernels_vnni import _IR, F8, F32, FLAGS, I16, SERIAL_ROWS, V8
+from cpu_experts.kernels_vnni import _IR, F32, FLAGS, I16, SERIAL_ROWS, has_vnni512
 
-PAIR_GROUP_BYTES = 16  # a group of 32 int4 columns: half of a 32-byte vector
-LANES = 8  # int32 lanes of a 32-byte vector: the corrections' width
+# Vector bytes of the int4 loops: 64 where the CPU has 512-bit VNNI (half the instructions a byte of 32-byte
+# vectors, which at group 32 kept the cores from streaming at the memory's rate), else 32.
+VECTOR_BYTES = 64 if has_vnni512() else 32
+LANES = VECTOR_BYTES // 4  # int32 lanes of a vector: the corrections' width
 DOWN_ROWS = 16  # output columns a work item of the down projection owns (its rows run four a call)
 GATE_UP_ROWS = 16  # (expert, row) items of gate/up a work item owns
 
@@ -48,12 +50,16 @@ def _row_pointer(g, ty, val, indices, elem):
     return g.b.bitcast(g.b.gep(g.b.bitcast(array.data, ir.IntType(8).as_pointer()), [offset]), elem.as_pointer())
 
 
-def _int4_codegen(weights: tuple[tuple[int, int, int], ...], is_pairs: bool):
+def _int4_codegen(weights: tuple[tuple[int, int, int], ...], groups_per_vector: int):
     """Intrinsic arguments: weight and scale arrays [E, N, ...], then e, n, x_even, x_odd, x_corr ([T, ...]), t,
     num_units, half. `weights`: (weight argument, scale argument, row offset) of each row dotted: row n + offset of
     expert e. Over the first `num_units` units of each row: sum_u scale(u) . (corr[u] + lo(w) . x_even + hi(w) .
     x_odd), the unit's integer lanes started from its correction vector, converted and scaled in float vectors.
-    Units: groups of `half` bytes (a multiple of 32), or (`is_pairs`) 32-byte blocks of two 16-byte groups."""
+    Units: with `groups_per_vector` 1, groups of `half` bytes (whole vectors); else vectors holding that many
+    groups of `half` bytes each (group 32 on 32- or 64-byte vectors), each group's lanes scaled by its own scale."""
+    width = VECTOR_BYTES // 4  # int32 lanes
+    vi, vf = ir.VectorType(ir.IntType(32), width), ir.VectorType(F32, width)
+
     def codegen(context, builder, sig, args):
         g = _IR(context, builder)
         num_arrays = 1 + max(max(w, s) for w, s, _ in weights)
@@ -68,56 +74,77 @@ def _int4_codegen(weights: tuple[tuple[int, int, int], ...], is_pairs: bool):
         x_index = num_arrays + 2
         xe_ptr, xo_ptr = (_row_pointer(g, ty[x_index + k], args[x_index + k], (t,), ir.IntType(8)) for k in range(2))
         corr = _row_pointer(g, ty[x_index + 2], x_corr, (t,), ir.IntType(32))
-        c32, lanes = ir.Constant(half.type, 32), ir.Constant(half.type, LANES)
-        nibble, four = ir.Constant(V8, [0x0F0F0F0F] * LANES), ir.Constant(V8, [4] * LANES)
-        halves = ir.Constant(V8, [0, 0, 0, 0, 1, 1, 1, 1])
-        faccs = [g.zeroed(F8) for _ in rows]
-        dots = [g.zeroed(V8) for _ in rows]
+        step, lanes = ir.Constant(half.type, VECTOR_BYTES), ir.Constant(half.type, width)
+        nibble, four = ir.Constant(vi, [0x0F0F0F0F] * width), ir.Constant(vi, [4] * width)
+        lanes_per_group = width // groups_per_vector
+        spread = ir.Constant(vi, [k // lanes_per_group for k in range(width)])
+
+        def load(base, offset, vec=vi):
+            return builder.load(builder.bitcast(builder.gep(base, [offset]), vec.as_pointer()), align=1)
+
+        def vnni(acc, unsigned, signed):
+            if width == 16:
+                fn = "llvm.x86.avx512.vpdpbusd.512"
+                return g.call(fn, vi, [vi, vi, vi], [acc, unsigned, signed])
+            return g.vnni(acc, unsigned, signed)
+
+        faccs = [g.zeroed(vf) for _ in rows]
+        dots = [g.zeroed(vi) for _ in rows]
         with cgutils.for_range(builder, num_units) as unit_loop:
-            start = builder.load(builder.bitcast(builder.gep(corr, [builder.mul(unit_loop.index, lanes)]),
-                                                 V8.as_pointer()), align=1)
-            base = builder.mul(unit_loop.index, c32 if is_pairs else half)
+            start = load(corr, builder.mul(unit_loop.index, lanes))
+            base = builder.mul(unit_loop.index, step if groups_per_vector > 1 else half)
 
             def block(offset, values):
-                xe, xo = g.load(xe_ptr, offset), g.load(xo_ptr, offset)
+                xe, xo = load(xe_ptr, offset), load(xo_ptr, offset)
                 out = []
                 for row, value in zip(rows, values, strict=True):
                     g.prefetch(row, offset)
-                    w = g.load(row, offset)
-                    low = g.vnni(value, builder.and_(w, nibble), xe)
-                    out.append(g.vnni(low, builder.and_(builder.lshr(w, four), nibble), xo))
+                    w = load(row, offset)
+                    low = vnni(value, builder.and_(w, nibble), xe)
+                    out.append(vnni(low, builder.and_(builder.lshr(w, four), nibble), xo))
                 return out
 
-            if is_pairs:  # one block a unit: straight-line code
+            if groups_per_vector > 1:  # one vector a unit: straight-line code
                 sums = block(base, [start] * len(rows))
             else:
                 for dot in dots:
                     builder.store(start, dot)
-                with cgutils.for_range(builder, builder.sdiv(half, c32)) as block_loop:
-                    values = block(builder.add(base, builder.mul(block_loop.index, c32)),
+                with cgutils.for_range(builder, builder.sdiv(half, step)) as block_loop:
+                    values = block(builder.add(base, builder.mul(block_loop.index, step)),
                                    [builder.load(dot) for dot in dots])
                     for dot, value in zip(dots, values, strict=True):
                         builder.store(value, dot)
                 sums = [builder.load(dot) for dot in dots]
             for j in range(len(rows)):
-                if is_pairs:
-                    pair = g.load_scale(scales[j], builder.add(unit_loop.index, unit_loop.index), 2)
-                    scale = builder.shuffle_vector(pair, pair, halves)
+                if groups_per_vector > 1:
+                    first = builder.mul(unit_loop.index, ir.Constant(half.type, groups_per_vector))
+                    some = g.load_scale(scales[j], first, groups_per_vector)
+                    scale = builder.shuffle_vector(some, some, spread)
                 else:
-                    scale = g.splat(g.load_scale(scales[j], unit_loop.index))
-                fma = g.call("llvm.fma.v8f32", F8, [F8, F8, F8], [builder.sitofp(sums[j], F8), scale,
-                                                                 builder.load(faccs[j])])
+                    scalar = g.load_scale(scales[j], unit_loop.index)
+                    scale = builder.shuffle_vector(builder.insert_element(ir.Constant(vf, None), scalar,
+                                                                          ir.Constant(ir.IntType(32), 0)),
+                                                   ir.Constant(vf, None), ir.Constant(vi, [0] * width))
+                fma = g.call(f"llvm.fma.v{width}f32", vf, [vf, vf, vf], [builder.sitofp(sums[j], vf), scale,
+                                                                         builder.load(faccs[j])])
                 builder.store(fma, faccs[j])
-        totals = [_sum_lanes(builder, builder.load(acc)) for acc in faccs]
+        totals = [_sum_lanes(builder, builder.load(acc), vf) for acc in faccs]
         return totals[0] if len(totals) == 1 else context.make_tuple(builder, sig.return_type, totals)
     return codegen
 
 
-def _sum_lanes(builder, vec):
-    """The float lanes' sum as a tree (`reassoc`): the ordered reduction is a chain of eight dependent adds a row."""
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(F32, [F32, F8]),
-                                        "llvm.vector.reduce.fadd.v8f32")
-    return builder.call(fn, [ir.Constant(F32, -0.0), vec], fastmath=("reassoc", "nsz"))
+def _sum_lanes(builder, vec, vf):
+    """The float lanes' sum as a tree of halves, written out: the ordered reduction is a chain of dependent adds a
+    row, and a `reassoc` one may be ordered differently where rows are reduced together (four-row calls), so a
+    row's dot would depend on its neighbours."""
+    width = vf.count
+    while width > 1:
+        width //= 2
+        low = builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(ir.IntType(32), width), list(range(width))))
+        high = builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(ir.IntType(32), width),
+                                                            list(range(width, 2 * width))))
+        vec = builder.fadd(low, high)
+    return builder.extract_element(vec, ir.Constant(ir.IntType(32), 0))
 
 
 ONE_ROW = ((0, 1, 0),)
@@ -148,22 +175,30 @@ def _four_dots(typingctx, w, s, e, n, x_even, x_odd, x_corr, t, num_units, half)
 
 
 def _dispatch(weights):
-    """One function: the group-32 loop when half is 16, the grouped loop otherwise (a branch per row call)."""
-    pairs, units = _int4_codegen(weights, True), _int4_codegen(weights, False)
+    """One function over the group sizes: vectors of several groups where a group is shorter than a vector
+    (half 16, and 32 on 64-byte vectors), whole-vector groups otherwise (a branch per row call)."""
+    multi = {half: _int4_codegen(weights, VECTOR_BYTES // half) for half in (16, 32) if half < VECTOR_BYTES}
+    whole = _int4_codegen(weights, 1)
 
     def codegen(context, builder, sig, args):
         half = args[-1]
-        is_pairs = builder.icmp_signed("==", half, ir.Constant(half.type, PAIR_GROUP_BYTES))
-        with builder.if_else(is_pairs) as (then, otherwise):
-            with then:
-                value_pairs = pairs(context, builder, sig, args)
-                block_pairs = builder.block
-            with otherwise:
-                value_units = units(context, builder, sig, args)
-                block_units = builder.block
-        phi = builder.phi(value_pairs.type)
-        phi.add_incoming(value_pairs, block_pairs)
-        phi.add_incoming(value_units, block_units)
+        results = []
+        end = builder.append_basic_block("int4.end")
+        cases = [(size, builder.append_basic_block(f"int4.half{size}")) for size in multi]
+        otherwise = builder.append_basic_block("int4.whole")
+        switch = builder.switch(half, otherwise)
+        for size, block in cases:
+            switch.add_case(ir.Constant(half.type, size), block)
+            builder.position_at_end(block)
+            results.append((multi[size](context, builder, sig, args), builder.block))
+            builder.branch(end)
+        builder.position_at_end(otherwise)
+        results.append((whole(context, builder, sig, args), builder.block))
+        builder.branch(end)
+        builder.position_at_end(end)
+        phi = builder.phi(results[0][0].type)
+        for value, block in results:
+            phi.add_incoming(value, block)
         return phi
     return codegen
 
@@ -172,13 +207,13 @@ def _dispatch(weights):
 
 @njit(fastmath=True, cache=True)
 def vector_units(num_bytes, half):
-    """(units, groups) the vector loops cover of a row of `num_bytes`: groups of whole 32-byte blocks (`half`, the
-    group's bytes, a multiple of 32), or 32-byte blocks of two 16-byte groups (group 32); `_groups_int4` takes
-    the groups after them."""
-    if half % 32 == 0:
+    """(units, groups) the vector loops cover of a row of `num_bytes`: groups of whole vectors (`half`, the group's
+    bytes, a multiple of VECTOR_BYTES), or vectors of several 16- or 32-byte groups; `_groups_int4` takes the
+    groups after them."""
+    if half % VECTOR_BYTES == 0:
         return num_bytes // half, num_bytes // half
-    if half == PAIR_GROUP_BYTES:
-        return num_bytes // 32, num_bytes // 32 * 2
+    if (half == 16 or half == 32) and half < VECTOR_BYTES:
+        return num_bytes // VECTOR_BYTES, num_bytes // VECTOR_BYTES * (VECTOR_BYTES // half)
     return 0, 0
 
 
@@ -228,11 +263,11 @@ def quantize_int4_row(x, x_even, x_odd, x_corr, group):
         x_odd[b] = np.int8(np.rint(x[2 * b + 1] * inv)) if 2 * b + 1 < cols else np.int8(0)
     half = group // 2
     units, _ = vector_units(x_even.shape[0], half)
-    unit_bytes = 32 if half == PAIR_GROUP_BYTES else half
+    unit_bytes = VECTOR_BYTES if half < VECTOR_BYTES else half
     for u in range(units):
         for lane in range(LANES):
             total = 0
-            for block in range(u * unit_bytes, (u + 1) * unit_bytes, 32):
+            for block in range(u * unit_bytes, (u + 1) * unit_bytes, VECTOR_BYTES):
                 for b in range(block + 4 * lane, block + 4 * lane + 4):
                     total += np.int32(x_even[b]) + np.int32(x_odd[b])
             x_corr[u * LANES + lane] = -8 * total
