@@ -60,7 +60,8 @@ def e4m3_over_256(byte):
 
 @njit(fastmath=True, cache=True)
 def round_bf16(v):
-    """float32 -> the nearest bfloat16 value (ties to even), as a float32: torch's rounding, inf and NaN kept."""
+    """float32 -> the nearest bfloat16 value (ties to even), as a float32: torch's rounding; inf and the NaNs that
+    arithmetic makes are kept."""
     bits = _float32_bits(np.float32(v))
     bits = (bits + BF16_HALF + ((bits >> np.int32(16)) & np.int32(1))) & BF16_HIGH
     return _as_float32(bits)

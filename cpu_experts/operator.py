@@ -30,8 +30,9 @@ from cpu_experts.prefill_int8 import Int8Prefill
 
 # Token counts from which the prefill path runs, per expert dtype, where the two paths measured even on the
 # 16-core Xeon (docs/benchmarks.md); int4 prefill dequantizes every routed expert, so its decode kernels win longer.
-# fp8: where the two measured even on a 2-core AVX-512 EPYC (the shape "small" of `hybrid-bench cpu-moe`).
-PREFILL_MIN_TOKENS = {"int8": 64, "int4": 512, "bf16": 0, "fp8": 128}
+# fp8 prefill dequantizes every routed expert to float32 too; on the 2-core AVX-512 EPYC the paths measured even at
+# ~700 tokens on qwen3-30b-a3b (512: decode 383 ms, prefill 472 ms) and ~160 on `hybrid-bench cpu-moe`'s "small".
+PREFILL_MIN_TOKENS = {"int8": 64, "int4": 512, "bf16": 0, "fp8": 512}
 # On AMX (`cpu_experts.prefill_amx`, `prefill_amx_grouped`): from here the grouped GEMM beats the decode kernels.
 AMX_PREFILL_MIN_TOKENS = {"int8": 8, "int4": 32}
 # The float formats' decode kernels (one partition per call, bf16-rounded activations; `kernels_fp8.decode_fp8`'s
