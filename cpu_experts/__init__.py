@@ -11,7 +11,7 @@ Data flow: an expert file (`expert_file`: the converter's canonical layout, quan
 oneDNN in `prefill_int8` elsewhere, dequantize-and-multiply in `prefill` for the other formats) ->
 `module.CpuExperts`, the experts-backend module the models use.
 Quantized experts compute with int8 activations by default (W8A8, one scale per row; `int8_activations=False` for
-float activations).
+float activations); FP8 experts (`kernels_fp8`) on bf16-rounded activations always, as the format is published.
 `executor` runs an operator asynchronously (submit / sync over fixed, pinnable buffers) so the engine can overlap
 it with GPU work; `flag_worker` serves a CUDA graph's hand-off flags on the executor's thread, and `decode_pool`
 serves them from pinned spinning threads in compiled code (int8 W8A8 decode; `atomics` for the shared words).

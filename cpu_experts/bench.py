@@ -30,7 +30,7 @@ from cpu_experts.packed import PackedLayer, PartitionWeights
 # shape -> (experts, hidden, intermediate, top-k)
 SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8), "qwen3-235b-a22b": (128, 4096, 1536, 8),
           "deepseek-v3": (256, 7168, 2048, 8), "kimi-k2.5": (384, 7168, 2048, 8), "small": (32, 512, 256, 4)}
-GROUPS = {"int8": 0, "int4": 128, "int4-g32": 32}
+GROUPS = {"int8": 0, "int4": 128, "int4-g32": 32, "fp8": 128}
 # --dtype spellings that are not an expert dtype's own name: (dtype, scale dtype)
 VARIANTS = {"int4-g32": ("int4", "bfloat16")}  # Kimi-K2's INT4 as published: group 32, bfloat16 scales
 ROW_SECONDS = 10.0
@@ -185,7 +185,8 @@ def run(args) -> list[dict]:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="hybrid-bench cpu-moe", description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
-    parser.add_argument("--dtype", default="int8", help="comma-separated: int8,int4,int4-g32 (group 32, bf16 scales)")
+    parser.add_argument("--dtype", default="int8",
+                        help="comma-separated: int8,int4,int4-g32 (group 32, bf16 scales),fp8")
     parser.add_argument("--tokens", default="1,4,32,512,2048", help="comma-separated token counts")
     parser.add_argument("--paths", default="kernel", help="comma-separated: kernel (as it runs), matmul")
     parser.add_argument("--layers", type=int, default=0, help="layers to rotate over (default: 8x the LLC)")

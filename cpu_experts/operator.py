@@ -6,11 +6,13 @@ expert(x) = down(silu(gate x) * up x); an id of -1 is skipped (the expert runs e
 Per call, the (token, slot) pairs are grouped by expert (`route`), then each partition of I computes its partial
 output and the partials are summed. Two paths, chosen per call by token count:
 - decode (few tokens): the numba kernels stream each routed expert's quantized rows once, dequantizing in
-  registers (`cpu_experts.kernels`);
+  registers (`cpu_experts.kernels`; the float formats' in `FLOAT_DECODE`, e.g. `cpu_experts.kernels_fp8`);
 - prefill (many tokens, `prefill_min_tokens` or more, and bf16 experts at any count): matmuls grouped by expert.
   Per-channel int8 experts multiply int8 x int8: our AMX grouped GEMM where the CPU has AMX
   (`cpu_experts.prefill_amx`), else oneDNN per expert (`cpu_experts.prefill_int8`). Other experts are each
   dequantized once per call and multiplied by PyTorch (`cpu_experts.prefill`).
+The float formats (FP8) compute on bfloat16 activations whatever `int8_activations` says: each matmul's input is
+rounded to bf16 on both paths, products and sums in float32 (the format's published contract).
 """
 
 from __future__ import annotations
@@ -21,16 +23,21 @@ import numpy as np
 import torch
 from numba import njit
 
-from cpu_experts import kernels, kernels_vnni, kernels_vnni_int4, prefill_amx, prefill_amx_grouped
+from cpu_experts import kernels, kernels_fp8, kernels_vnni, kernels_vnni_int4, prefill_amx, prefill_amx_grouped
 from cpu_experts.packed import PackedLayer
 from cpu_experts.prefill import DequantPrefill, Workspace
 from cpu_experts.prefill_int8 import Int8Prefill
 
 # Token counts from which the prefill path runs, per expert dtype, where the two paths measured even on the
 # 16-core Xeon (docs/benchmarks.md); int4 prefill dequantizes every routed expert, so its decode kernels win longer.
-PREFILL_MIN_TOKENS = {"int8": 64, "int4": 512, "bf16": 0}
+# fp8 prefill dequantizes every routed expert to float32 too; on the 2-core AVX-512 EPYC the paths measured even at
+# ~700 tokens on qwen3-30b-a3b (512: decode 383 ms, prefill 472 ms) and ~160 on `hybrid-bench cpu-moe`'s "small".
+PREFILL_MIN_TOKENS = {"int8": 64, "int4": 512, "bf16": 0, "fp8": 512}
 # On AMX (`cpu_experts.prefill_amx`, `prefill_amx_grouped`): from here the grouped GEMM beats the decode kernels.
 AMX_PREFILL_MIN_TOKENS = {"int8": 8, "int4": 32}
+# The float formats' decode kernels (one partition per call, bf16-rounded activations; `kernels_fp8.decode_fp8`'s
+# arguments), by expert dtype.
+FLOAT_DECODE = {"fp8": kernels_fp8.decode_fp8}
 
 
 @dataclass(frozen=True)
@@ -94,21 +101,25 @@ class CpuMoE:
                  int8_activations: bool = True, workspace: Workspace | None = None):
         self.layer = layer
         self.spec = layer.spec
-        self.is_w8a8 = self.spec.dtype != "bf16" and int8_activations
+        self.is_w8a8 = self.spec.dtype not in ("bf16", *FLOAT_DECODE) and int8_activations
         workspace = workspace or Workspace()
         self.integer_prefill = _integer_prefill(layer, workspace) if self.is_w8a8 else None
         if prefill_min_tokens is None:
             is_amx = isinstance(self.integer_prefill, (prefill_amx.AmxPrefill, prefill_amx_grouped.GroupedAmxPrefill))
             prefill_min_tokens = (AMX_PREFILL_MIN_TOKENS if is_amx else PREFILL_MIN_TOKENS)[self.spec.dtype]
         self.prefill_min_tokens = prefill_min_tokens
-        self.dequant_prefill = DequantPrefill(layer, workspace, round_activations=self.is_w8a8)
+        self.dequant_prefill = DequantPrefill(layer, workspace, round_activations=self.is_w8a8,
+                                              bf16_activations=self.spec.dtype in FLOAT_DECODE)
         self.is_vnni = self.is_w8a8 and kernels_vnni.has_vnni()  # integer decode kernels (same results)
 
     def __call__(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         self._check(hidden, topk_ids, topk_weights)
         routing = route(topk_ids.cpu().numpy(), topk_weights.detach().float().cpu().numpy(), self.spec.num_experts)
         if self.spec.dtype != "bf16" and hidden.shape[0] < self.prefill_min_tokens:
-            decode = self._decode_vnni if self.is_vnni else self._decode
+            if self.spec.dtype in FLOAT_DECODE:
+                decode = self._decode_float
+            else:
+                decode = self._decode_vnni if self.is_vnni else self._decode
             return torch.from_numpy(decode(_float32(hidden), routing)).to(hidden.dtype)
         if self.integer_prefill is not None:
             return torch.from_numpy(self.integer_prefill(_float32(hidden), routing)).to(hidden.dtype)
@@ -163,6 +174,18 @@ class CpuMoE:
         for part in self.layer.partitions:
             decode(x, r.experts, r.offsets, r.pair_token, r.pair_weight, part.gate, part.gate_scales, part.up,
                    part.up_scales, part.down, part.down_scales, group_h, self.spec.group_size or part.size, out)
+        return out
+
+    def _decode_float(self, x: np.ndarray, routing: Routing) -> np.ndarray:
+        """The float formats' streaming kernels on bf16-rounded activations; x float32 [T, H] -> [T, H]."""
+        out = np.zeros_like(x)
+        x = torch.from_numpy(x).bfloat16().float().numpy()
+        r = routing
+        decode = FLOAT_DECODE[self.spec.dtype]
+        group_h = self.spec.group(self.spec.hidden_size)
+        for part in self.layer.partitions:
+            decode(x, r.experts, r.offsets, r.pair_token, r.pair_weight, part.gate, part.gate_scales, part.up,
+                   part.up_scales, part.down, part.down_scales, group_h, self.spec.group(part.size), out)
         return out
 
 

@@ -1,10 +1,12 @@
 """Prefill path of the CPU MoE operator: many tokens, so the work is matrix multiplication, not streaming.
 
 Per-channel int8 experts with int8 activations (W8A8) take `cpu_experts.prefill_amx` (AMX) or `prefill_int8`.
-The rest (int4, grouped int8, bf16, or int8 with float activations) takes `DequantPrefill` here: each routed
+The rest (int4, grouped int8, bf16, fp8, or int8 with float activations) takes `DequantPrefill` here: each routed
 expert is dequantized once per call to the activations' dtype by numba kernels (bf16 uses AMX-BF16 where
-present), then multiplied in PyTorch. The call's (token, slot) pairs, grouped by expert (`operator.Routing`), are
-rows of work buffers in that order: expert u's pairs are rows `offsets[u]:offsets[u + 1]`. Per partition of I:
+present), then multiplied in PyTorch; FP8 experts in float32 on bf16-rounded activations, the decode kernels'
+contract (`cpu_experts.kernels_fp8`: an e4m3 value times a float32 scale has more bits than bf16 holds). The
+call's (token, slot) pairs, grouped by expert (`operator.Routing`), are rows of work buffers in that order: expert
+u's pairs are rows `offsets[u]:offsets[u + 1]`. Per partition of I:
 
 1. per expert: gate = x_rows @ gate[e].T and up = x_rows @ up[e].T  ([rows_e, H] @ [H, Ip])
 2. for all pairs at once: act = silu(gate) * up                      ([R, Ip])
@@ -23,6 +25,7 @@ from numba import njit, prange
 
 from cpu_experts import memory
 from cpu_experts.kernels import round_rows_int8, scale_value
+from cpu_experts.kernels_fp8 import FLOAT16_BIAS, e4m3_over_256
 from cpu_experts.packed import PackedLayer, PartitionWeights
 
 FLAGS = dict(parallel=True, fastmath=True, nogil=True, cache=True)
@@ -51,6 +54,18 @@ def dequantize_int4(packed, scales, group, out):
             byte = np.int32(packed[n, j >> 1])
             nibble = (byte >> ((j & 1) * 4)) & 15
             out[n, j] = np.float32(nibble - 8) * scale_value(scales[n, j // group])
+
+
+@njit(**FLAGS)
+def dequantize_fp8(q, scales, group, out):
+    """q uint8 [N, K] e4m3 bits, scales float32 [N, G] -> out float32 [N, K] (value x scale, rounded once: the
+    reference's `formats.dequantize_fp8`)."""
+    cols = q.shape[1]
+    for n in prange(q.shape[0]):
+        for g in range(scales.shape[1]):
+            s = scales[n, g]
+            for j in range(g * group, min((g + 1) * group, cols)):
+                out[n, j] = e4m3_over_256(q[n, j]) * FLOAT16_BIAS * s
 
 
 # ---- drivers ---------------------------------------------------------------------------------------------------
@@ -82,15 +97,20 @@ class Workspace:
 class DequantPrefill:
     """Each routed expert dequantized once per call, then PyTorch matmuls in the activations' dtype.
     `round_activations`: the matmul inputs are rounded to their per-row int8 grid first (the W8A8 semantics of
-    quantized experts, kept in float here)."""
+    quantized experts, kept in float here). `bf16_activations` (the float formats): rounded to bfloat16 instead,
+    and everything computed in float32 whatever the activations' dtype."""
 
-    def __init__(self, layer: PackedLayer, workspace: Workspace, round_activations: bool = False):
+    def __init__(self, layer: PackedLayer, workspace: Workspace, round_activations: bool = False,
+                 bf16_activations: bool = False):
         self.layer = layer
         self.spec = layer.spec
         self.ws = workspace
         self.round_activations = round_activations
+        self.bf16_activations = bf16_activations
 
     def __call__(self, x: torch.Tensor, routing) -> torch.Tensor:
+        if self.bf16_activations:
+            x = x.float()
         pair_token = torch.from_numpy(routing.pair_token)
         num_pairs = len(routing.pair_token)
         x_rows = self._rounded(x[pair_token])  # [P, H]
@@ -113,6 +133,8 @@ class DequantPrefill:
         return out
 
     def _rounded(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.bf16_activations:
+            return rows.bfloat16().to(rows.dtype)
         if not self.round_activations:
             return rows
         rounded = rows.float().contiguous()
@@ -130,6 +152,8 @@ class DequantPrefill:
         group = self.spec.group_size or (self.spec.hidden_size if role != "down" else part.size)
         if self.spec.dtype == "int4":
             dequantize_int4(weight, scales, group, out)
+        elif self.spec.dtype == "fp8":
+            dequantize_fp8(weight, scales, group, out)
         else:
             dequantize_int8(weight, scales, group, out)
         return torch.from_numpy(out).to(dtype)
