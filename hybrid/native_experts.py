@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cpu_experts.expert_file import FIXED_GROUP, ROLES, ExpertLayerSpec, quantize_matrix
+from cpu_experts.expert_file import ALLOWED_SCALES, FIXED_GROUP, ROLES, ExpertLayerSpec, quantize_matrix
 from hybrid.checkpoint import Checkpoint
 from hybrid.errors import CheckpointError, ConfigError
 
@@ -114,7 +114,7 @@ def resolve(source: SourceFormat | None, dtype: str, group_size: int | None = No
     if source is not None and dtype == source.dtype and group_size in (None, source.group_size):
         return ExpertFormat(dtype, source.group_size, source.scale_dtype, source)
     group = group_size if group_size is not None else DEFAULT_GROUPS[dtype]
-    return ExpertFormat(dtype, group, source=source)
+    return ExpertFormat(dtype, group, ALLOWED_SCALES[dtype][0], source)  # the quantizer's own scale dtype
 
 
 def projection_parts(ckpt: Checkpoint, name: str, role: str, spec: ExpertLayerSpec, is_passthrough: bool,

@@ -113,11 +113,15 @@ def test_int4_at_load_equals_the_conversion(qwen, tmp_path):
         assert torch.equal(got, want)
 
 
-def test_fp8_source_requantized_to_int8_equals_the_conversion(fp8, tmp_path):  # noqa: F811
+def test_fp8_source_requantized_to_int8_equals_the_conversion(fp8, tmp_path, caplog):  # noqa: F811
     """DeepSeek FP8 blocks with the default expert_dtype: int8 from the dequantized experts, as the converter's
-    `--expert-dtype int8` writes them."""
+    `--expert-dtype int8` writes them, and the log says it is a second rounding."""
     dst = converted(fp8["path"], tmp_path, "--expert-dtype", "int8")
-    for got, want in zip(logits(fp8["path"], expert_placement="cpu"), logits(dst), strict=True):
+    with caplog.at_level("INFO", logger="hybrid.direct_experts"):
+        direct = logits(fp8["path"], expert_placement="cpu")
+    assert "the source's FP8 (group 128) re-quantized to int8 from its dequantized weights, a second rounding; " \
+           "expert_dtype='auto' (--expert-dtype auto) copies it as stored" in caplog.text
+    for got, want in zip(direct, logits(dst), strict=True):
         assert torch.equal(got, want)
 
 
@@ -137,10 +141,11 @@ def kimi(tmp_path_factory):
 def test_int4_checkpoint_served_as_stored(kimi, tmp_path):
     """expert_dtype auto: Kimi's INT4 experts copied, no second rounding (the dequantized checkpoint's logits), and
     the same logits as its conversion."""
-    direct = logits(kimi["src"], expert_placement="cpu", expert_dtype="auto", expert_activations="float")
+    options = dict(expert_activations="float", numa_partitions=2)  # I = 96: slices [0, 64) and [64, 96)
+    direct = logits(kimi["src"], expert_placement="cpu", expert_dtype="auto", **options)
     for ids, got in zip(PROMPTS, direct, strict=True):
         assert_close(got, hf_logits(kimi["ref"], ids), "int4 experts as stored")
-    for got, want in zip(direct, logits(converted(kimi["src"], tmp_path), expert_activations="float"), strict=True):
+    for got, want in zip(direct, logits(converted(kimi["src"], tmp_path), **options), strict=True):
         assert torch.equal(got, want)
 
 
@@ -173,6 +178,14 @@ def test_float_experts_served_as_stored(tmp_path, layout):
     for ids, got in zip(PROMPTS, direct, strict=True):
         assert_close(got, hf_logits(ref, ids), f"{layout} experts as stored")
     for got, want in zip(direct, logits(converted(src, tmp_path)), strict=True):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(not _float_kernels_available(), reason="the FP8/MXFP4/NVFP4 CPU kernels are not merged yet")
+@pytest.mark.parametrize("dtype", ["fp8", "mxfp4", "nvfp4"])
+def test_float_formats_at_load_equal_the_conversion(qwen, tmp_path, dtype):
+    dst = converted(qwen, tmp_path, "--expert-dtype", dtype)
+    for got, want in zip(logits(qwen, expert_placement="cpu", expert_dtype=dtype), logits(dst), strict=True):
         assert torch.equal(got, want)
 
 

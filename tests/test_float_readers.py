@@ -19,6 +19,7 @@ from checkpoints import SEEDS, hf_logits, make_checkpoint, prompt, qwen3_moe_con
 from convert_support import fails, manifest
 from float_checkpoints import (
     BLOCK,
+    CONFIGS,
     EXPECTED_FORMAT,
     LAYOUTS,
     MODELOPT_CONFIG,
@@ -280,3 +281,27 @@ def test_converter_group_size_for_fixed_group_formats(source, tmp_path, capsys):
     line = fails(capsys, source("nvfp4-ct")["path"], tmp_path / "out", "--expert-dtype", "nvfp4", "--group-size",
                  "32")
     assert "--group-size applies to int8/int4/fp8 experts; drop it for --expert-dtype nvfp4" in line, line
+
+
+@pytest.mark.parametrize("dtype,group,scale_dtype", [("fp8", 128, "float32"), ("mxfp4", 32, "e8m0"),
+                                                     ("nvfp4", 16, "e4m3")])
+def test_converter_quantizes_float_sources_to_the_float_formats(tmp_path, dtype, group, scale_dtype):
+    make_checkpoint(qwen3_moe_config(), tmp_path / "src", seed=SEEDS["qwen3_moe"], dtype=torch.bfloat16)
+    assert main([str(tmp_path / "src"), str(tmp_path / "out"), "--expert-dtype", dtype]) == 0
+    experts = manifest(tmp_path / "out")["experts"]
+    assert (experts["dtype"], experts["group_size"], experts["scale_dtype"]) == (dtype, group, scale_dtype)
+    assert experts["is_copied_from_source"] is False
+    errors = [v for layer in verify(tmp_path / "out", tmp_path / "src").expert_error.values() for v in layer.values()]
+    assert all(0 < v < {"fp8": 0.05, "mxfp4": 0.2, "nvfp4": 0.15}[dtype] for v in errors), errors
+
+
+def test_compressed_tensors_nvfp4_config():
+    from hybrid import compressed_tensors
+
+    quant = CONFIGS["nvfp4-ct"]
+    scheme = compressed_tensors.parse(quant, "config.json")
+    assert scheme.format == "nvfp4-pack-quantized" and scheme.group_size == 16
+    bad = json.loads(json.dumps(quant))
+    bad["config_groups"]["group_0"]["weights"]["group_size"] = 32
+    with pytest.raises(ValueError, match="config.json: nvfp4-pack-quantized weights in groups of 32"):
+        compressed_tensors.parse(bad, "config.json")
