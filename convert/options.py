@@ -6,23 +6,25 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from cpu_experts.expert_file import EXPERT_DTYPES
+from cpu_experts.expert_file import EXPERT_DTYPES, FIXED_GROUP
 from hybrid.errors import ConfigError
 
 GPU_QUANT = ("none", "fp8", "w4a16")
 GROUP_MULTIPLE = 32  # scale groups cover whole SIMD vectors in the CPU kernels
-DEFAULT_INT4_GROUP = 128
 
 
 @dataclass(frozen=True)
 class ConvertOptions:
     expert_dtype: str = field(default="auto", metadata={
         "choices": ("auto", *EXPERT_DTYPES),
-        "help": "routed experts' storage: int8, int4 (group-wise) or bf16 (exact); auto: the source's own INT4 "
-                "(compressed-tensors pack-quantized, e.g. Kimi-K2) copied as stored, int8 for any other source"})
+        "help": "routed experts' storage: int8, int4 (group-wise), fp8 (e4m3, group-wise), mxfp4, nvfp4 or bf16 "
+                "(exact); auto: the source's own quantized experts copied as stored where the CPU experts hold them "
+                "(FP8 block/channel, MXFP4, NVFP4, compressed-tensors INT4, e.g. Kimi-K2), int8 for any other "
+                "source"})
     group_size: int | None = field(default=None, metadata={
-        "help": "expert scale group along the input dimension, a multiple of 32 (default: an INT4 source's own, "
-                "else 128 for int4 and one scale per output channel for int8)"})
+        "help": "expert scale group along the input dimension, a multiple of 32 (default: a quantized source's "
+                "own, else 128 for int4 and fp8 and one scale per output channel for int8; mxfp4 and nvfp4 have "
+                "fixed groups of 32 and 16)"})
     gpu_quant: str = field(default="none", metadata={
         "choices": GPU_QUANT, "help": "GPU weights: keep as in the source, FP8 (dynamic, per channel) or W4A16 "
                                       "(int4 groups) through llm-compressor, in the compressed-tensors format"})
@@ -41,8 +43,9 @@ class ConvertOptions:
     def __post_init__(self):
         if self.group_size is not None and (self.group_size < 1 or self.group_size % GROUP_MULTIPLE):
             raise ConfigError(f"--group-size must be a positive multiple of {GROUP_MULTIPLE}, got {self.group_size}")
-        if self.group_size is not None and self.expert_dtype == "bf16":
-            raise ConfigError("--group-size applies to int8/int4 experts; drop it for --expert-dtype bf16")
+        if self.group_size is not None and self.expert_dtype in ("bf16", *FIXED_GROUP):
+            raise ConfigError(f"--group-size applies to int8/int4/fp8 experts; drop it for --expert-dtype "
+                              f"{self.expert_dtype}")
         if self.gpu_group_size < 1 or self.gpu_group_size % GROUP_MULTIPLE:
             raise ConfigError(f"--gpu-group-size must be a positive multiple of {GROUP_MULTIPLE}, "
                               f"got {self.gpu_group_size}")

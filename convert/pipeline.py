@@ -97,7 +97,7 @@ def _convert(plan: Plan, quantizer, dst: Path, key: dict, options: ConvertOption
                           "the same ones to resume, or pass --overwrite")
     done = journal.resume(dst) if previous is not None else {}
     todo = [unit for unit in plan.units if unit.path not in done]
-    spec = expert_format.spec(plan)
+    spec = expert_format.spec(plan.config)
     _check_space(dst, sum(_unit_bytes(plan, unit, quantizer, spec) for unit in todo))
     _remove_stale_temporaries(dst)
     journal.start()

@@ -12,20 +12,19 @@ from pathlib import Path
 
 import torch
 
-from hybrid.checkpoint import FP8_DTYPES, Checkpoint
+from hybrid.checkpoint import Checkpoint
 from hybrid.config import ModelConfig
 from hybrid.converted import MANIFEST_FILE
 from hybrid.errors import CheckpointError, ConfigError
 from hybrid.loader import check_names
 from hybrid.models import load_model_config
 from hybrid.models.base import MoECausalLM
+from hybrid.stored_matrix import is_finite
 
 EMBED_FILE = "gpu-embed.safetensors"
 ROLES = ("gate", "up", "down")
 # Any one of them makes a tokenizer transformers can load (with tokenizer_config.json where there is one).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json", "vocab.txt")
-# The float8 codes of NaN and inf have every exponent bit set; as int8 the positive ones are the largest codes.
-FP8_NONFINITE_MASK = {torch.float8_e4m3fn: 0x7F, torch.float8_e5m2: 0x7C}
 
 
 def gpu_layer_file(layer: int) -> str:
@@ -75,19 +74,6 @@ class Plan:
         return tensor
 
 
-def is_finite(tensor: torch.Tensor) -> bool:
-    """No NaN and no inf, in one pass over `tensor` that allocates nothing (aminmax propagates NaN; float8 has no
-    arithmetic on the CPU, so its codes are compared as integers)."""
-    if not tensor.is_floating_point() or tensor.numel() == 0:
-        return True
-    if tensor.dtype in FP8_DTYPES:
-        mask = FP8_NONFINITE_MASK[tensor.dtype]
-        codes = tensor.view(torch.int8)
-        return int(codes.max()) < mask and int(codes.view(torch.uint8).max()) < 0x80 | mask
-    low, high = torch.aminmax(tensor)
-    return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
-
-
 def has_tokenizer(source: Path) -> bool:
     return any((source / name).is_file() for name in TOKENIZER_FILES)
 
@@ -103,7 +89,7 @@ def build_plan(source: str | Path, allow_nonfinite: bool = False) -> Plan:
     with torch.device("meta"):
         model = cls(config)
     ckpt = Checkpoint.open(source, config.fp8_block_size, config.compressed_tensors,
-                           prefixes=model.checkpoint_prefixes)
+                           prefixes=model.checkpoint_prefixes, is_modelopt=config.is_modelopt)
     check_names(source, model, set(ckpt.parts))
     _check_shapes(ckpt, model)
     plan = Plan(source, ckpt, config, model, model.checkpoint_targets(), allow_nonfinite=allow_nonfinite)

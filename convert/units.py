@@ -3,7 +3,8 @@
 GPU units keep HuggingFace names: each tensor is copied as stored (its quantization parts too) or, with a GPU
 quantizer, quantized into the compressed-tensors parts. Expert units write the stacked layout of
 `cpu_experts.expert_file`, expert by expert, `threads` experts at a time: quantized from the source's (dequantized)
-weights, or, for a source's own INT4 (`convert.experts`), copied.
+weights, or, for a source's own FP8 / MXFP4 / NVFP4 / INT4 (`convert.experts`), copied
+(`hybrid.native_experts.projection_parts`, shared with the runtime that serves a checkpoint directly).
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from convert.experts import int4_passthrough
 from convert.plan import ROLES, Plan, Unit
-from cpu_experts.expert_file import ExpertLayerSpec, quantize_matrix
+from cpu_experts.expert_file import ExpertLayerSpec
+from hybrid.native_experts import projection_parts
 from hybrid.safetensors_io import SafetensorsWriter, TensorSpec
 
 
@@ -31,8 +32,6 @@ def write_gpu_unit(plan: Plan, unit: Unit, path: Path, quantizer) -> None:
     writer.close()
 
 
-CHUNK_ROWS = 256  # rows of one projection quantized at a time (DeepSeek-V3 gate: 256 x 7168 float32 = 7 MiB)
-
 
 def write_expert_unit(plan: Plan, unit: Unit, path: Path, spec: ExpertLayerSpec, threads: int,
                       is_passthrough: bool = False) -> None:
@@ -45,18 +44,9 @@ def write_expert_unit(plan: Plan, unit: Unit, path: Path, spec: ExpertLayerSpec,
         # quantized independently, so chunks of rows bound the float32 temporaries of each worker.
         for role in ROLES:
             name = plan.expert_name(unit.layer, expert, role)
-            if is_passthrough:
-                for part, tensor in int4_passthrough(plan, name, spec, role).items():
-                    writer.write(f"{role}.{part}", tensor, row=expert)
-                continue
-            weight = plan.read(name) if spec.dtype == "bf16" else plan.ckpt.read(name)
-            for first in range(0, weight.shape[0], CHUNK_ROWS):
-                parts = quantize_matrix(weight[first:first + CHUNK_ROWS], spec)
-                if "scales" in parts:  # a group's scale is its largest magnitude: NaN or inf exactly where the
-                    plan.check_finite(name, parts["scales"])  # group holds one, so the check costs no pass
-                for part, tensor in parts.items():
-                    writer.write(f"{role}.{part}", tensor, row=expert, first=first)
-            del weight  # before the next role's read
+            for part, tensor, first in projection_parts(plan.ckpt, name, role, spec, is_passthrough,
+                                                        plan.check_finite):
+                writer.write(f"{role}.{part}", tensor, row=expert, first=first)
 
     try:
         if threads == 1:

@@ -340,7 +340,8 @@ def main(argv: list[str], mode: str) -> int:
     parser.add_argument("--tokens", type=int, default=32 if mode == "decode" else 2048)
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--json", action="store_true")
-    add_arguments(parser, EngineConfig, skip=("max_model_len",))
+    # --expert-dtype is the synthetic conversion's here (the benchmark runs converted models)
+    add_arguments(parser, EngineConfig, skip=("max_model_len", "expert_dtype"))
     parser.set_defaults(device="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
     args.mode = mode

@@ -2,7 +2,8 @@
 
 A checkpoint stores some weights as several tensors: DeepSeek FP8 `X.weight` + `X.weight_scale_inv`, or the
 compressed-tensors forms (`X.weight` + `X.weight_scale` for FP8, `X.weight_packed` + `X.weight_scale` +
-`X.weight_shape` for packed INT4). `Checkpoint` groups them under the logical name `X.weight`, so the loader and
+`X.weight_shape` for packed INT4, NVFP4 and the other layouts of `hybrid.stored_matrix`). `Checkpoint` groups
+them under the logical name `X.weight`, so the loader and
 the converter see one tensor per parameter; `read` returns it dequantized (float32), `read_raw` one stored tensor
 and `read_parts` / `part_infos` all of a logical tensor's stored parts (or their headers) by their suffix after the
 module's name (`weight`, `weight_scale_inv`, `weight_packed`, ...), for modules that keep them quantized. Files
@@ -24,13 +25,17 @@ from pathlib import Path
 
 import torch
 
-from hybrid import compressed_tensors
+from hybrid import compressed_tensors, stored_matrix
 from hybrid.errors import CheckpointError
 from hybrid.safetensors_io import SafetensorsFile, TensorInfo
+from hybrid.stored_matrix import FP8_DTYPES, Layout
 
 INDEX_FILE = "model.safetensors.index.json"
 FP8_SCALE_SUFFIX = "_scale_inv"
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+E8M0_SCALE_SUFFIX = ".scale"  # DeepSeek-V4: `X.scale` beside `X.weight`
+MODELOPT_SUFFIXES = (".weight_scale_2", ".weight_scale", ".input_scale")  # NVIDIA ModelOpt NVFP4, beside `X.weight`
+# layouts whose dequantization is `hybrid.stored_matrix`'s (the others predate it: `read` keeps their own code)
+DECODED_LAYOUTS = ("e8m0-fp8", "e8m0-mxfp4", "ct-nvfp4", "modelopt-nvfp4")
 
 
 @dataclass
@@ -41,17 +46,19 @@ class Checkpoint:
     compressed: compressed_tensors.Scheme | None = None
     parts: dict[str, list[str]] = field(default_factory=dict)  # logical name -> stored names, logical first
     stored_names: dict[str, str] = field(default_factory=dict)  # model's name -> stored name, where they differ
+    is_modelopt: bool = False  # NVIDIA ModelOpt NVFP4 (`hybrid.config.parse_modelopt`)
 
     @classmethod
     def open(cls, directory: str | Path, fp8_block: tuple[int, int] | None = None,
              compressed: compressed_tensors.Scheme | None = None,
-             exclude: Iterable[str] = (), prefixes: tuple[tuple[str, str], ...] = ()) -> Checkpoint:
+             exclude: Iterable[str] = (), prefixes: tuple[tuple[str, str], ...] = (),
+             is_modelopt: bool = False) -> Checkpoint:
         """Reads the index (or every shard's header) and groups the stored tensors; `exclude`d files (e.g. the
         converted experts, which have a reader of their own) are skipped when scanning headers; `prefixes`:
         (published, model) name prefixes (module docstring)."""
         directory = Path(directory)
         files, stored_names = _rename(_files(directory, set(exclude)), prefixes)
-        ckpt = cls(directory, files, fp8_block, compressed, stored_names=stored_names)
+        ckpt = cls(directory, files, fp8_block, compressed, stored_names=stored_names, is_modelopt=is_modelopt)
         ckpt.parts = ckpt._group()
         return ckpt
 
@@ -66,15 +73,41 @@ class Checkpoint:
     def logical_name(self, stored: str) -> str:
         if self.fp8_block is not None and stored.endswith(FP8_SCALE_SUFFIX):
             return stored[: -len(FP8_SCALE_SUFFIX)]
+        if self.fp8_block is not None and stored.endswith(E8M0_SCALE_SUFFIX):
+            return stored[: -len(E8M0_SCALE_SUFFIX)] + ".weight"
         if self.compressed is not None:
             return compressed_tensors.logical_name(stored)
+        if self.is_modelopt:
+            for suffix in MODELOPT_SUFFIXES:
+                if stored.endswith(suffix):
+                    return stored[: -len(suffix)] + ".weight"
         return stored
+
+    def layout(self, name: str) -> Layout | None:
+        """The quantized layout logical tensor `name` is stored in (`hybrid.stored_matrix`), from its headers; None
+        for a tensor stored as it is."""
+        if len(self.parts.get(name, ())) < 2:
+            return None
+        return stored_matrix.identify(self.part_infos(name), self.fp8_block, self.compressed, self.is_modelopt)
+
+    def read_matrix(self, name: str, layout: Layout, shape: tuple[int, int] | None = None,
+                    check: stored_matrix.Check | None = None) -> stored_matrix.StoredMatrix:
+        """Logical tensor `name`'s stored parts in `layout`, decoded (bits kept); every failure one line naming the
+        stored tensor and its file. `check(stored name, tensor)`: see `stored_matrix.decode`."""
+        prefix = name.rpartition(".")[0] + "."
+        parts = self.read_parts(name)
+        try:
+            return stored_matrix.decode(parts, layout, shape, check and (lambda part, t: check(prefix + part, t)))
+        except stored_matrix.PartError as exc:
+            raise CheckpointError(f"{self.file_of(prefix + exc.part)}: '{prefix}{exc.part}' {exc.detail}") from None
 
     def info(self, stored: str) -> TensorInfo:
         return self.files[stored].tensors[self.stored_names.get(stored, stored)]
 
     def file_of(self, name: str) -> Path:
-        return self.files[self.parts[name][0] if name in self.parts else name].path
+        if name in self.files:
+            return self.files[name].path
+        return self.files[self.parts[name][0]].path
 
     def read_raw(self, stored: str) -> torch.Tensor:
         return self.files[stored].read(self.stored_names.get(stored, stored))
@@ -92,6 +125,10 @@ class Checkpoint:
     def read(self, name: str) -> torch.Tensor:
         """The logical tensor `name`: as stored, or dequantized to float32 when stored quantized."""
         stored = self.parts[name]
+        layout = self.layout(name)
+        if layout is not None and (layout.name in DECODED_LAYOUTS or layout.name == "ct-fp8" and self.compressed
+                                   and self.compressed.strategy in ("group", "block")):
+            return self.read_matrix(name, layout, check=self.refuse_nonfinite).dequantize()
         if self.compressed is not None and stored != [name]:
             try:
                 return compressed_tensors.dequantize({s: self.read_raw(s) for s in stored}, name,
@@ -107,6 +144,12 @@ class Checkpoint:
             raise CheckpointError(f"{self.file_of(name)}: FP8 tensor '{name}' has no '{scale_name}'")
         return tensor
 
+    def refuse_nonfinite(self, stored: str, tensor: torch.Tensor) -> None:
+        """The runtime's `stored_matrix.Check`: a stored tensor holding NaN or inf is a CheckpointError."""
+        if not stored_matrix.is_finite(tensor):
+            raise CheckpointError(f"{self.file_of(stored)}: tensor '{stored}' holds NaN or inf values (NaN codes or "
+                                  "scales); repair the checkpoint")
+
     def check_parts(self, name: str) -> None:
         """Checks from the headers alone that `name`'s stored parts fit together (FP8 weight and block scale)."""
         if self.fp8_block is None:
@@ -117,6 +160,9 @@ class Checkpoint:
         info = self.info(name)
         if info.dtype not in FP8_DTYPES:
             return
+        e8m0_name = name.removesuffix(".weight") + E8M0_SCALE_SUFFIX
+        if scale_name not in self.files and e8m0_name in self.files:
+            scale_name = e8m0_name
         if scale_name not in self.files:
             raise CheckpointError(f"{self.file_of(name)}: FP8 tensor '{name}' has no '{scale_name}'")
         rows, cols = info.shape
@@ -129,8 +175,8 @@ class Checkpoint:
         """The shape `read(name)` returns, from the headers; None when only reading tells (packed weights)."""
         if name not in self.files:
             return None
-        if self.compressed is not None and len(self.parts[name]) > 1:
-            return tuple(self.info(name).shape) if self.info(name).dtype.is_floating_point else None
+        if len(self.parts[name]) > 1 and not self.info(name).dtype.is_floating_point:
+            return None  # packed (two FP4 codes a byte): the shape is the model's to say
         return tuple(self.info(name).shape)
 
 

@@ -6,6 +6,11 @@ Two formats are understood, as `hybrid-convert --gpu-quant` writes them:
 - `pack-quantized` (INT4 weights, 16-bit activations, symmetric, per group along K): `X.weight_packed` int32
   [N, ceil(K / 8)] holding eight 4-bit values per word (column 8j+i in bits 4i..4i+3, stored as value + 8),
   `X.weight_scale` [N, ceil(K / group)] and `X.weight_shape` int [2] = (N, K); w = (nibble - 8) * scale.
+- `nvfp4-pack-quantized` (NVFP4: e2m1 weights, one float8_e4m3 scale per 16 columns, one float32 global scale):
+  `X.weight_packed` uint8 [N, K / 2] (two e2m1 codes a byte, even column in the low nibble), `X.weight_scale`
+  float8_e4m3fn [N, K / 16], `X.weight_global_scale` float32 [1]; compressed-tensors dequantizes
+  w = e2m1 * (scale / global_scale) (`quantization.lifecycle.forward_helpers._dequantize`). These, and FP8
+  `float-quantized` weights of the `group` and `block` strategies, are decoded by `hybrid.stored_matrix`.
 The dequantization here is the reference the GPU kernels are tested against and, until they land, the runtime's
 path: weights are dequantized on the CPU at load time.
 
@@ -21,8 +26,11 @@ from dataclasses import dataclass
 
 import torch
 
-FORMATS = ("float-quantized", "pack-quantized")
-AUX_SUFFIXES = ("_packed", "_scale", "_shape", "_zero_point", "_g_idx")
+FORMATS = ("float-quantized", "pack-quantized", "nvfp4-pack-quantized")
+AUX_SUFFIXES = ("_packed", "_scale", "_shape", "_zero_point", "_g_idx", "_global_scale")
+# activation scales stored beside a module's weight (static or NVFP4 W4A4 activations): kept with the weight's parts,
+# never used (activations are quantized dynamically, or not at all, here)
+INPUT_SCALES = (".input_scale", ".input_global_scale")
 PACK_FACTOR = 8  # 4-bit values per int32
 
 
@@ -32,6 +40,8 @@ class Scheme:
     group_size: int | None  # pack-quantized: input columns per scale; None: per channel
     ignore: tuple[str, ...] = ()  # modules left in the checkpoint's dtype
     num_bits: int = 4  # pack-quantized: bits per weight (only 4 is read)
+    strategy: str | None = None  # float-quantized: "tensor", "channel", "group" or "block"
+    block_structure: tuple[int, int] | None = None  # the block strategy's [rows, columns]
 
 
 def parse(quant: dict, source: str) -> Scheme:
@@ -47,11 +57,22 @@ def parse(quant: dict, source: str) -> Scheme:
     num_bits = weights.get("num_bits", 4)
     if fmt == "pack-quantized" and num_bits != 4:
         raise ValueError(f"{source}: pack-quantized weights of {num_bits} bits are not supported; supported: 4 bits")
-    return Scheme(fmt, weights.get("group_size"), tuple(quant.get("ignore") or ()), num_bits)
+    if fmt == "nvfp4-pack-quantized" and weights.get("group_size", 16) != 16:
+        raise ValueError(f"{source}: nvfp4-pack-quantized weights in groups of {weights.get('group_size')} are not "
+                         "supported; NVFP4 groups are 16")
+    block = weights.get("block_structure")
+    if block is not None and not (isinstance(block, list) and len(block) == 2
+                                  and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ValueError(f"{source}: weights.block_structure must be two positive integers, got {block!r}")
+    return Scheme(fmt, weights.get("group_size"), tuple(quant.get("ignore") or ()), num_bits,
+                  weights.get("strategy"), tuple(block) if block else None)
 
 
 def logical_name(stored: str) -> str:
-    """`X.weight_packed` / `X.weight_scale` / ... -> `X.weight`; other names unchanged."""
+    """`X.weight_packed` / `X.weight_scale` / `X.input_scale` / ... -> `X.weight`; other names unchanged."""
+    for suffix in INPUT_SCALES:
+        if stored.endswith(suffix):
+            return stored[: -len(suffix)] + ".weight"
     for suffix in AUX_SUFFIXES:
         if stored.endswith(".weight" + suffix):
             return stored[: -len(suffix)]

@@ -96,6 +96,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     fp8_block_size: tuple[int, int] | None = None  # checkpoint stores DeepSeek-style FP8 block-scaled weights
     compressed_tensors: compressed_tensors.Scheme | None = None  # checkpoint stores compressed-tensors weights
+    is_modelopt: bool = False  # checkpoint stores NVIDIA ModelOpt NVFP4 weights (`parse_modelopt`)
 
     @property
     def num_moe_layers(self) -> int:
@@ -248,27 +249,62 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def parse_quantization(raw: RawConfig) -> tuple[tuple[int, int] | None, compressed_tensors.Scheme | None]:
-    """The checkpoint's weight storage: DeepSeek-style block FP8 (`quant_method: fp8`, e4m3, `weight_block_size`)
-    or compressed-tensors (what `hybrid-convert --gpu-quant` and llm-compressor write); (None, None) when plain."""
+MODELOPT_FILE = "hf_quant_config.json"
+MODELOPT_ALGOS = ("NVFP4",)
+
+
+def parse_quantization(raw: RawConfig, checkpoint_dir: Path | None = None) -> dict[str, Any]:
+    """The checkpoint's weight storage, as ModelConfig fields: DeepSeek-style block FP8 (`quant_method: fp8`, e4m3,
+    `weight_block_size`), compressed-tensors (what `hybrid-convert --gpu-quant` and llm-compressor write) or NVIDIA
+    ModelOpt NVFP4 (`quant_method: modelopt`, or no quantization_config beside an `hf_quant_config.json`)."""
     quant = raw.get("quantization_config")
+    plain = {"fp8_block_size": None, "compressed_tensors": None, "is_modelopt": False}
     if not quant:
-        return None, None
+        modelopt_file = checkpoint_dir / MODELOPT_FILE if checkpoint_dir is not None else None
+        if modelopt_file is None or not modelopt_file.is_file():
+            return plain
+        return plain | {"is_modelopt": parse_modelopt(_read_json(modelopt_file), str(modelopt_file))}
     method = quant.get("quant_method")
     if method == "compressed-tensors":
         try:
-            return None, compressed_tensors.parse(quant, raw.source)
+            return plain | {"compressed_tensors": compressed_tensors.parse(quant, raw.source)}
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+    if method == "modelopt":
+        return plain | {"is_modelopt": parse_modelopt(quant, f"{raw.source}: quantization_config")}
     if method != "fp8":
         raise raw.error(f"quantization_config.quant_method '{method}' is not supported here; supported: fp8, "
-                        "compressed-tensors")
+                        "compressed-tensors, modelopt")
     block = quant.get("weight_block_size")
     if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
         raise raw.error(f"quantization_config.weight_block_size must be two positive integers, got {block!r}")
     if quant.get("fmt", "e4m3") != "e4m3":
         raise raw.error(f"quantization_config.fmt '{quant.get('fmt')}' is not supported; supported: e4m3")
-    return (block[0], block[1]), None
+    return plain | {"fp8_block_size": (block[0], block[1])}
+
+
+def parse_modelopt(quant: dict, source: str) -> bool:
+    """A ModelOpt quantization description (`hf_quant_config.json`'s, its settings under `quantization`, or
+    config.json's `quantization_config`): True for NVFP4 in groups of 16, the one algorithm read."""
+    settings = quant.get("quantization") if isinstance(quant.get("quantization"), dict) else quant
+    algo = settings.get("quant_algo")
+    if algo not in MODELOPT_ALGOS:
+        raise ConfigError(f"{source}: ModelOpt quant_algo {algo!r} is not supported; supported: "
+                          f"{', '.join(MODELOPT_ALGOS)}")
+    if settings.get("group_size", 16) != 16:
+        raise ConfigError(f"{source}: ModelOpt NVFP4 group_size {settings.get('group_size')} is not supported; "
+                          "NVFP4 groups are 16")
+    return True
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{path}: unreadable ({exc})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object at the top level")
+    return data
 
 
 def parse_eos(raw: RawConfig, checkpoint_dir: Path | None) -> tuple[int, ...]:
@@ -308,7 +344,7 @@ def common_fields(raw: RawConfig, checkpoint_dir: Path | None) -> dict[str, Any]
         max_position_embeddings=raw.int("max_position_embeddings", 4096),
         tie_word_embeddings=raw.bool("tie_word_embeddings", False),
         eos_token_ids=parse_eos(raw, checkpoint_dir),
-    ) | dict(zip(("fp8_block_size", "compressed_tensors"), parse_quantization(raw), strict=True))
+    ) | parse_quantization(raw, checkpoint_dir)
 
 
 def gqa_attention(raw: RawConfig, *, has_qkv_bias: bool, qk_norm: str, sliding_window: int | None):

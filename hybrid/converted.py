@@ -96,7 +96,8 @@ class ConvertedExperts:
         file, spec = self.layers[layer]
         scales = file.read(f"{role}.scales", expert) if spec.dtype != "bf16" else None
         weight = file.read(f"{role}.weight", expert)
-        return weight if spec.dtype == "bf16" else dequantize_matrix(weight, scales, role, spec)
+        tensor_scale = file.read(f"{role}.tensor_scale", expert) if spec.dtype == "nvfp4" else None
+        return weight if spec.dtype == "bf16" else dequantize_matrix(weight, scales, role, spec, tensor_scale)
 
 
 def cpu_experts_factory(layer_idx: int, config, int8_activations: bool = True) -> CpuExperts:

@@ -6,9 +6,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cpu_experts.expert_file import EXPERT_DTYPES
 from hybrid.errors import ConfigError
 
 EXPERT_ACTIVATIONS = ("int8", "float")
+EXPERT_PLACEMENTS = ("auto", "cpu", "device")
 KERNELS = ("auto", "triton", "torch")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -33,6 +35,17 @@ class EngineConfig:
     # KTransformers do); "float" keeps activations in float, exact to the converted weights, prefill slower
     expert_activations: str = field(default="int8", metadata=_help(
         "int8 CPU experts: activations rounded to int8 (fast) or kept in float (exact)", EXPERT_ACTIVATIONS))
+    # A plain checkpoint's routed experts: "cpu" runs them on the CPU operator as a converted directory's (read
+    # as stored or quantized at load, `hybrid.direct_experts`), "device" on the engine's device with the dense layers
+    # (PyTorch reference or fused-MoE kernel); "auto" is "cpu" on CUDA, the product, and "device" elsewhere, where
+    # the models' parity tests run them. Converted directories always use the CPU operator.
+    expert_placement: str = field(default="auto", metadata=_help(
+        "a plain checkpoint's routed experts: on the CPU operator, no hybrid-convert needed ('cpu'), or on the "
+        "engine's device ('device'); auto: cpu on CUDA, device elsewhere", EXPERT_PLACEMENTS))
+    expert_dtype: str = field(default="int8", metadata=_help(
+        "CPU experts read from a plain checkpoint: the format they are quantized to at load; auto keeps the "
+        "checkpoint's own quantized experts as stored (FP8, MXFP4, NVFP4, compressed-tensors INT4), int8 otherwise",
+        ("auto", *EXPERT_DTYPES)))
     # "auto" runs gpu_layers' Triton kernels on CUDA and the PyTorch references elsewhere
     kernels: str = field(default="auto", metadata=_help("dense layers and attention", KERNELS))
     cuda_graph: bool = field(default=True, metadata=_help(
@@ -90,6 +103,11 @@ class EngineConfig:
                               f"{self.max_graph_batch} (graph steps hand their experts to the CPU), or 0")
         if self.defer_experts < 0:
             raise ConfigError(f"defer_experts must be >= 0, got {self.defer_experts}")
+        if self.expert_placement not in EXPERT_PLACEMENTS:
+            raise ConfigError(f"expert_placement '{self.expert_placement}' is not one of "
+                              f"{', '.join(EXPERT_PLACEMENTS)}")
+        if self.expert_dtype not in ("auto", *EXPERT_DTYPES):
+            raise ConfigError(f"expert_dtype '{self.expert_dtype}' is not one of auto, {', '.join(EXPERT_DTYPES)}")
         if self.kernels not in KERNELS:
             raise ConfigError(f"kernels '{self.kernels}' is not one of {', '.join(KERNELS)}")
         try:
@@ -104,3 +122,8 @@ class EngineConfig:
     @property
     def is_cuda(self) -> bool:
         return torch.device(self.device).type == "cuda"
+
+    @property
+    def is_cpu_placement(self) -> bool:
+        """A plain checkpoint's routed experts run on the CPU operator (`expert_placement`)."""
+        return self.expert_placement == "cpu" or self.expert_placement == "auto" and self.is_cuda

@@ -66,18 +66,19 @@ class LLM:
         block_size = cfg.block_size
         num_blocks = blocks_needed(max(cfg.kv_cache_tokens or 4 * self.max_model_len, self.max_model_len), block_size)
         # Placement, decided once: a converted directory's routed experts run on the CPU operator (some of them on
-        # the GPU with gpu_experts); a plain checkpoint's run through the PyTorch reference on the engine's device.
-        is_converted = read_manifest(Path(path)) is not None
+        # the GPU with gpu_experts), and so do a plain checkpoint's with expert_placement cpu (auto on CUDA), read
+        # from it at load; otherwise they run through the PyTorch reference on the engine's device.
+        is_cpu_experts = read_manifest(Path(path)) is not None or cfg.is_cpu_placement
         # On CUDA the CPU experts leave one CPU to the thread driving the GPU; set before loading runs a kernel
-        num_threads = max(1, len(allowed_cpus()) - 1) if cfg.is_cuda and is_converted else None
+        num_threads = max(1, len(allowed_cpus()) - 1) if cfg.is_cuda and is_cpu_experts else None
         use_kernel_threads(num_threads)
         moe = self.config.moe
-        self.gpu_prefill_tokens = min_streamed_tokens(cfg, moe.num_experts, moe.top_k) if is_converted else 0
+        self.gpu_prefill_tokens = min_streamed_tokens(cfg, moe.num_experts, moe.top_k) if is_cpu_experts else 0
         self.num_gpu_experts = 0
         make_experts = None
-        if is_converted:
+        if is_cpu_experts:
             self.num_gpu_experts = self._resolve_gpu_experts(cls, num_blocks)
-            make_experts = self._converted_experts_factory(self.num_gpu_experts)
+            make_experts = self._cpu_experts_factory(self.num_gpu_experts)
         if cfg.defer_experts >= self.config.moe.top_k:
             raise ConfigError(f"defer_experts {cfg.defer_experts} must be below the model's top-k routing "
                               f"({self.config.moe.top_k})")
@@ -87,7 +88,8 @@ class LLM:
         self.model = build_model(cls, self.config, cfg, backends)
         streamed = wrap_streamed(self.model, self.gpu_prefill_tokens, cfg.device) if self.gpu_prefill_tokens else []
         partitions = cfg.numa_partitions or len(discover_nodes())
-        load_weights(self.model, path, partitions, keep_quantized=backends.keep_quantized)
+        load_weights(self.model, path, partitions, keep_quantized=backends.keep_quantized,
+                     expert_dtype=cfg.expert_dtype)
         for module in self.model.modules():
             if hasattr(module, "fuse_gate_up"):
                 module.fuse_gate_up()  # the kernels' stacked gate/up layout (MLPs: only when the ops use it)
@@ -99,10 +101,10 @@ class LLM:
         self.routing_recorder: RoutingRecorder | None = None
         if cfg.record_routing:
             self.record_routing()
-        # CPU experts of a converted model run on one executor thread, overlapped with the shared experts
-        # (on CUDA leaving one CPU to the thread that drives the GPU)
+        # CPU experts run on one executor thread, overlapped with the shared experts (on CUDA leaving one CPU to the
+        # thread that drives the GPU)
         self.cpu_executor = None
-        if is_converted:
+        if is_cpu_experts:
             self.cpu_executor = bind_cpu_executor(self.model, self.max_model_len, torch.float32, num_threads)
         # the one owner of this model's KV pages: every engine over it and prefill_logits take pages from it
         self.blocks = PrefixCachingBlockManager(num_blocks, block_size, cfg.enable_prefix_caching)
@@ -152,7 +154,7 @@ class LLM:
                                 activation_bytes(self.config, self.max_model_len) + streaming,
                                 cfg.torch_dtype.itemsize)
 
-    def _converted_experts_factory(self, num_gpu_experts: int):
+    def _cpu_experts_factory(self, num_gpu_experts: int):
         """The CPU operator for every routed expert, or `HybridExperts` where `gpu_experts` keeps some on the
         engine's device (placement chosen here, once)."""
         cfg = self.engine_config

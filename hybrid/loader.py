@@ -6,7 +6,9 @@ on the CPU, except where the GPU kernels take them as stored: with `keep_quantiz
 weight is stored in a form `gpu_layers.linear` multiplies become `QuantizedLinear`s before the names are checked
 (`hybrid.layers.quantized_linear`), and receive the stored parts as read (`load_parts`). Before anything is
 copied, the set of checkpoint tensors is compared with what the model expects: a missing, unexpected or
-mis-shaped tensor is a `CheckpointError` naming it. A load that takes more than a moment (a large checkpoint) shows
+mis-shaped tensor is a `CheckpointError` naming it. A model whose routed experts run on the CPU operator takes
+them from a converted directory's expert files, or, from a plain checkpoint, as `hybrid.direct_experts` reads them
+(copied as stored or quantized at load). A load that takes more than a moment (a large checkpoint) shows
 progress bars on a terminal's stderr: the dense tensors, then the CPU experts layer by layer.
 """
 
@@ -18,7 +20,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from hybrid import converted
+from hybrid import converted, direct_experts
 from hybrid.checkpoint import Checkpoint, dequantize_fp8_block
 from hybrid.errors import CheckpointError
 from hybrid.layers.quantized_linear import place_quantized_linears
@@ -29,33 +31,43 @@ PROGRESS_DELAY_SECONDS = 2.0  # a bar appears only once a load has run this long
 
 
 def open_sources(model, checkpoint_dir: str | Path, keep_quantized: bool = False
-                 ) -> tuple[dict[str, object], converted.ConvertedExperts | None]:
-    """Logical tensor name -> the source that reads it (`Checkpoint` or converted experts), names checked; and the
-    converted experts, if any. Expert tensors count only when the model has parameters for them (the CPU
-    operator takes the packed files instead). `keep_quantized`: place `QuantizedLinear`s first (see above)."""
+                 ) -> tuple[dict[str, object], converted.ConvertedExperts | None, Checkpoint]:
+    """Logical tensor name -> the source that reads it (`Checkpoint` or converted experts), names checked; the
+    converted experts, if any; and the checkpoint. Expert tensors count only when the model has parameters for
+    them (the CPU operator takes the packed files, or `hybrid.direct_experts` reads them, instead).
+    `keep_quantized`: place `QuantizedLinear`s first (see above)."""
     checkpoint_dir = Path(checkpoint_dir)
     config = model.config
     manifest = converted.read_manifest(checkpoint_dir)
     experts = converted.ConvertedExperts(checkpoint_dir, manifest, model) if manifest else None
     ckpt = Checkpoint.open(checkpoint_dir, config.fp8_block_size, config.compressed_tensors,
-                           exclude=experts.file_names() if experts else (), prefixes=model.checkpoint_prefixes)
+                           exclude=experts.file_names() if experts else (), prefixes=model.checkpoint_prefixes,
+                           is_modelopt=config.is_modelopt)
     if keep_quantized:
         place_quantized_linears(model, ckpt)
     sources: dict[str, object] = {name: ckpt for name in ckpt.parts}
     targets = model.checkpoint_targets()
     if experts:
         sources.update({name: experts for name in experts.names() if name in targets})
+    else:
+        direct = direct_experts.direct_expert_names(model) - set(targets)  # GPU-resident ones are targets
+        missing = sorted(direct - set(ckpt.parts))
+        if missing:
+            raise CheckpointError(f"{checkpoint_dir}: missing tensor '{missing[0]}'"
+                                  + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        sources = {name: source for name, source in sources.items() if name not in direct}
     check_names(checkpoint_dir, model, set(sources))
-    return sources, experts
+    return sources, experts, ckpt
 
 
 def load_weights(model, checkpoint_dir: str | Path, num_partitions: int = 1, keep_quantized: bool = False,
-                 progress: bool | None = None) -> None:
+                 progress: bool | None = None, expert_dtype: str = "int8") -> None:
     """Copies every checkpoint tensor into `model` (a `MoECausalLM`), checking names and shapes first; CPU
-    experts of a converted directory receive their packed files, split into `num_partitions`. `keep_quantized`
+    experts receive their layers split into `num_partitions`: a converted directory's packed files, or a plain
+    checkpoint's experts as `hybrid.direct_experts` reads them (`expert_dtype`: EngineConfig's). `keep_quantized`
     (the Triton ops in bf16/fp16): quantized dense weights the kernels take stay as stored. `progress`: progress
     bars on stderr (None: when stderr is a terminal)."""
-    sources, experts = open_sources(model, checkpoint_dir, keep_quantized)
+    sources, experts, ckpt = open_sources(model, checkpoint_dir, keep_quantized)
     targets = model.checkpoint_targets()
     present = sorted(name for name in sources if not model.is_ignored_tensor(name))
     for name in present:  # shapes from the headers first, so a bad one fails before the long copy
@@ -70,9 +82,11 @@ def load_weights(model, checkpoint_dir: str | Path, num_partitions: int = 1, kee
         _check_shape(sources[name], name, tuple(tensor.shape), targets[name])
         with torch.no_grad():
             targets[name].copy_(tensor)
+    bar = lambda layers: _progress(layers, "loading CPU experts", "layer", progress)  # noqa: E731
     if experts is not None:
-        converted.load_cpu_experts(model, experts, num_partitions,
-                                   lambda layers: _progress(layers, "loading CPU experts", "layer", progress))
+        converted.load_cpu_experts(model, experts, num_partitions, bar)
+    elif direct_experts.cpu_layers(model):
+        direct_experts.load_direct_cpu_experts(model, ckpt, expert_dtype, num_partitions, progress=bar)
 
 
 def _progress(items, description: str, unit: str, progress: bool | None):

@@ -82,12 +82,12 @@ def make_int4_checkpoint(cfg, path: Path, *, seed: int, group: int = INT4_GROUP)
 
 def load_reference(path: Path, values: dict[str, torch.Tensor], tmp: Path) -> torch.nn.Module:
     """transformers' model (float32) holding `values`, loaded through its own checkpoint reader with the config of
-    the checkpoint at `path` minus its quantization."""
+    the checkpoint at `path` minus its quantization (if it has one in config.json)."""
     tmp.mkdir(parents=True, exist_ok=True)
     save_file({n: t.contiguous() for n, t in values.items()}, str(tmp / "model.safetensors"),
               metadata={"format": "pt"})
     config = json.loads((path / "config.json").read_text())
-    config.pop("quantization_config")
+    config.pop("quantization_config", None)
     (tmp / "config.json").write_text(json.dumps(config))
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32, attn_implementation="eager")
     return model.eval()

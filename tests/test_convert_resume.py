@@ -31,7 +31,7 @@ from convert_support import (  # noqa: F401 (pytest fixtures: converted, keep_to
 from safetensors.torch import load_file, save_file
 
 import convert.pipeline
-import convert.units
+import hybrid.native_experts
 from convert.cli import main
 
 ROW = re.compile(r"^\s*(\d+)\s+(\S+)\s+(\S+)\s+(\S+)\s*$", re.M)  # "layer  gate  up  down" of verify --source
@@ -141,7 +141,7 @@ def test_interrupted_conversion_resumes(source, converted, capsys, monkeypatch, 
     src = source("qwen3_moe").path
     dst = tmp_path / "out"
     args = [str(src), str(dst), "--threads", threads]
-    real_write, real_quantize = convert.pipeline.write_expert_unit, convert.units.quantize_matrix
+    real_write, real_quantize = convert.pipeline.write_expert_unit, hybrid.native_experts.quantize_matrix
     units = []
 
     def write_expert_unit(plan, unit, path, spec, num_threads, is_passthrough):
@@ -156,7 +156,7 @@ def test_interrupted_conversion_resumes(source, converted, capsys, monkeypatch, 
             return real_quantize(w, spec)
 
         with monkeypatch.context() as patch:
-            patch.setattr(convert.units, "quantize_matrix", quantize)
+            patch.setattr(hybrid.native_experts, "quantize_matrix", quantize)
             real_write(plan, unit, path, spec, num_threads, is_passthrough)
         raise AssertionError("not interrupted")
 
@@ -187,15 +187,15 @@ def test_interrupted_conversion_resumes(source, converted, capsys, monkeypatch, 
 # down so that the kill lands in the middle of the conversion.
 LAUNCHER = """
 import sys, time
-import convert.units
+import hybrid.native_experts
 from convert.cli import main
-delay, real = float(sys.argv[1]), convert.units.quantize_matrix
+delay, real = float(sys.argv[1]), hybrid.native_experts.quantize_matrix
 
 def slow(w, spec):
     time.sleep(delay)
     return real(w, spec)
 
-convert.units.quantize_matrix = slow
+hybrid.native_experts.quantize_matrix = slow
 sys.exit(main(sys.argv[2:]))
 """
 

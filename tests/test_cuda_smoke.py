@@ -14,12 +14,12 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def test_cuda_float32_matches_transformers(tmp_path, name):
     model = make_checkpoint(VARIANTS[name](), tmp_path, seed=SEEDS[name]).cuda()
     ids = prompt(9, seed=5)
-    llm = LLM(tmp_path, device="cuda", dtype="float32")
+    llm = LLM(tmp_path, device="cuda", dtype="float32", expert_placement="device")
     ref, ours = hf_logits(model, ids), llm.prefill_logits(ids)
     assert ours.device.type == "cuda"
     assert (ours - ref.to(ours.device)).abs().max() <= 1e-4 * ref.abs().max()
     assert llm.generate(ids, 16, ignore_eos=True) == hf_generate(model, ids, 16)
-    bf16 = LLM(tmp_path, device="cuda", dtype="bfloat16")
+    bf16 = LLM(tmp_path, device="cuda", dtype="bfloat16", expert_placement="device")
     assert len(bf16.generate(ids, 8, temperature=0.8, seed=1, ignore_eos=True)) == 8
 
 

@@ -90,9 +90,11 @@ def _converted(src, tmp_path_factory, scheme: str):
 
 def _errors(path, ids) -> tuple[float, float, dict[str, LLM]]:
     """Relative-norm error of the kernel and the PyTorch bf16 paths against the float32 dequantized model."""
-    llms = {"ref": LLM(path, device=str(DEVICE), dtype="float32", kernels="torch"),
-            "kernel": LLM(path, device=str(DEVICE), dtype="bfloat16", kernels="triton"),
-            "plain": LLM(path, device=str(DEVICE), dtype="bfloat16", kernels="torch")}
+    # a plain checkpoint's experts on the GPU too (expert_placement: auto would put them on the CPU operator)
+    options = {"device": str(DEVICE), "expert_placement": "device"}
+    llms = {"ref": LLM(path, dtype="float32", kernels="torch", **options),
+            "kernel": LLM(path, dtype="bfloat16", kernels="triton", **options),
+            "plain": LLM(path, dtype="bfloat16", kernels="torch", **options)}
     ref = llms["ref"].prefill_logits(ids)
 
     def error(llm: LLM) -> float:
@@ -162,7 +164,7 @@ def test_compressed_tensors_weights_run_through_the_kernels(qwen3_source, tmp_pa
 
 
 def test_float32_keeps_dequantized_linears(deepseek_fp8):
-    llm = LLM(deepseek_fp8, device=str(DEVICE), dtype="float32", kernels="triton")
+    llm = LLM(deepseek_fp8, device=str(DEVICE), dtype="float32", kernels="triton", expert_placement="device")
     assert not _linears(llm, QuantizedLinear)
     weight = llm.model.get_submodule("model.layers.0.self_attn.o_proj").weight
     assert weight.dtype == torch.float32

@@ -28,7 +28,7 @@ def _checkpoint(tmp_path, name):
 @pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3", "glm4_moe_lite"])
 def test_prefill_logits_match_transformers(tmp_path, name):
     model = _checkpoint(tmp_path, name).to(DEVICE)
-    llm = LLM(tmp_path, device=str(DEVICE), dtype="float32", kernels="triton")
+    llm = LLM(tmp_path, device=str(DEVICE), dtype="float32", kernels="triton", expert_placement="device")
     assert isinstance(llm.model.model.layers[0].self_attn.backend, TritonAttentionBackend)
     ids = prompt(19, seed=4)  # crosses a KV page of 16
     ref, ours = hf_logits(model, ids), llm.prefill_logits(ids)
@@ -44,7 +44,7 @@ def test_greedy_generation_matches_transformers(tmp_path, name, new_tokens):
     norm through the RMSNorm kernel on [T, heads * D])."""
     model = _checkpoint(tmp_path, name).to(DEVICE)
     ids = prompt(13, seed=5)
-    llm = LLM(tmp_path, device=str(DEVICE), dtype="float32", kernels="triton")
+    llm = LLM(tmp_path, device=str(DEVICE), dtype="float32", kernels="triton", expert_placement="device")
     ref, ours = hf_logits(model, ids), llm.prefill_logits(ids)
     assert (ours - ref.to(ours.device)).abs().max() <= REL_TOL * ref.abs().max()
     assert llm.generate(ids, new_tokens, ignore_eos=True) == hf_generate(model, ids, new_tokens)
@@ -56,7 +56,7 @@ def test_glm_4_7_flash_odd_mla_dims_generate_32_tokens(tmp_path):
     19-token prompt crossing a KV page and the context filling the next."""
     name = "glm4_moe_lite"
     model = _checkpoint(tmp_path, name).to(DEVICE)
-    llm = LLM(tmp_path, device=str(DEVICE), dtype="float32", kernels="triton")
+    llm = LLM(tmp_path, device=str(DEVICE), dtype="float32", kernels="triton", expert_placement="device")
     attention = llm.model.model.layers[0].self_attn
     assert isinstance(attention.backend, TritonAttentionBackend) and attention.cfg.qk_nope_head_dim == 24
     ids = prompt(19, seed=4)
@@ -72,7 +72,7 @@ def test_bf16_kernels_are_as_close_as_the_pytorch_path(tmp_path, name):
     ref = hf_logits(model, ids).to(DEVICE)
 
     def error(kernels: str) -> float:
-        llm = LLM(tmp_path, device=str(DEVICE), dtype="bfloat16", kernels=kernels)
+        llm = LLM(tmp_path, device=str(DEVICE), dtype="bfloat16", kernels=kernels, expert_placement="device")
         experts = llm.model.model.layers[1].mlp.experts
         assert isinstance(experts, TritonExperts) == (kernels == "triton")
         logits = llm.prefill_logits(ids)

@@ -1,0 +1,182 @@
+"""A checkpoint's routed experts read into the expert file's stacked tensors (`cpu_experts.expert_file`: `gate.weight`,
+`gate.scales`, ..., NVFP4's `gate.tensor_scale`), shared by the converter (`convert.units`) and the runtime that
+serves a checkpoint directory without converting it (`hybrid.direct_experts`).
+
+Experts the checkpoint stores in a format the CPU experts hold (FP8 e4m3 with block or channel scales, MXFP4, NVFP4,
+compressed-tensors INT4: the layouts of `hybrid.stored_matrix`) are copied as stored, bit for bit (the scales
+widened exactly where the expert file keeps them wider); others are quantized from their values (`quantize_matrix`).
+Which of the two happens is `resolve`'s: the expert dtype asked for (`auto`: the source's own format where it has
+one, else int8), and whether the source's format is that one.
+
+gpt-oss keeps its experts fused and MXFP4 (`mlp.experts.gate_up_proj_blocks` [E, 2I, H/32, 16] with gate and up
+interleaved along the rows, `*_scales` E8M0 [E, 2I, H/32], `down_proj_blocks` [E, H, I/32, 16], `down_proj_scales`):
+`read_gpt_oss_layer` reads one layer of them as stored (their biases are not part of the expert file; the model
+family itself is a later issue).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from cpu_experts.expert_file import ALLOWED_SCALES, FIXED_GROUP, ROLES, ExpertLayerSpec, quantize_matrix
+from hybrid.checkpoint import Checkpoint
+from hybrid.errors import CheckpointError, ConfigError
+
+# the group a format is quantized to when nothing else says (int8: one scale per output channel)
+DEFAULT_GROUPS = {"int8": 0, "int4": 128, "fp8": 128, "bf16": 0} | FIXED_GROUP
+INT4_GROUP_MULTIPLE = 32  # the int4 kernels' vectors hold whole groups
+CHUNK_ROWS = 256  # rows of one projection quantized at a time (DeepSeek-V3 gate: 256 x 7168 float32 = 7 MiB)
+GPT_OSS_SUFFIXES = ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales")
+
+Check = Callable[[str, torch.Tensor], object]  # (stored tensor name, tensor) -> raises when it holds NaN or inf
+
+
+@dataclass(frozen=True)
+class SourceFormat:
+    """The format every routed expert of a checkpoint is stored in (see `source_format`)."""
+    dtype: str
+    group_size: int
+    scale_dtype: str
+
+    @property
+    def title(self) -> str:
+        return self.dtype.upper()
+
+
+@dataclass(frozen=True)
+class ExpertFormat:
+    dtype: str  # one of cpu_experts.expert_file.EXPERT_DTYPES
+    group_size: int  # 0: one scale per output channel
+    scale_dtype: str = "float32"
+    source: SourceFormat | None = None  # the source's own expert format, where it has one
+
+    @property
+    def is_passthrough(self) -> bool:
+        """The source's experts are copied as stored, not quantized."""
+        source = self.source
+        return source is not None and (self.dtype, self.group_size, self.scale_dtype) == \
+            (source.dtype, source.group_size, source.scale_dtype)
+
+    def spec(self, config) -> ExpertLayerSpec:
+        return ExpertLayerSpec(config.moe.num_experts, config.hidden_size, config.moe.intermediate_size, self.dtype,
+                               self.group_size, self.scale_dtype)
+
+    def note(self, fix: str = "--expert-dtype auto") -> str | None:
+        """One line for the user where the source's own quantized experts are concerned: copied, or rounded again."""
+        source = self.source
+        if source is None:
+            return None
+        if self.is_passthrough:
+            return (f"experts: the source's {source.title} (group {source.group_size}, {source.scale_dtype} scales) "
+                    "copied as stored, no re-quantization")
+        what = f"{self.dtype} group {self.group_size}" if self.group_size else self.dtype
+        return (f"experts: the source's {source.title} (group {source.group_size}) re-quantized to {what} from its "
+                f"dequantized weights, a second rounding; {fix} copies it as stored")
+
+
+def routed_names(model) -> list[tuple[int, int, str, str]]:
+    """(layer, expert, role, checkpoint name) of every routed expert projection of `model`."""
+    config = model.config
+    return [(layer, e, role, model.routed_expert_name(layer, e, role)) for layer in config.moe_layer_indices
+            for e in range(config.moe.num_experts) for role in ROLES]
+
+
+def source_format(ckpt: Checkpoint, names: list[str]) -> SourceFormat | None:
+    """The format all of `names` (routed expert projections) are stored in, when the CPU experts hold it as it is
+    (one dtype and group for all, int4 groups a multiple of 32); None otherwise (float experts, mixed formats)."""
+    layouts = [ckpt.layout(name) for name in names]
+    if not layouts or any(layout is None for layout in layouts):
+        return None
+    kinds = {(layout.dtype, layout.group_size) for layout in layouts}
+    if len(kinds) != 1:
+        return None
+    dtype, group = kinds.pop()
+    if dtype == "int4" and group % INT4_GROUP_MULTIPLE:
+        return None
+    scale_dtypes = {layout.scale_dtype for layout in layouts}
+    return SourceFormat(dtype, group, scale_dtypes.pop() if len(scale_dtypes) == 1 else "float32")
+
+
+def resolve(source: SourceFormat | None, dtype: str, group_size: int | None = None,
+            flag: str = "--group-size") -> ExpertFormat:
+    """The expert format for `dtype` ("auto": the source's own format, int8 for a float source) and `group_size`
+    (None: the source's where it is copied, else `DEFAULT_GROUPS`)."""
+    if dtype == "auto":
+        dtype = source.dtype if source is not None else "int8"
+    if dtype == "bf16":
+        return ExpertFormat("bf16", 0, source=source)
+    fixed = FIXED_GROUP.get(dtype)
+    if fixed is not None and group_size not in (None, fixed):
+        raise ConfigError(f"{flag} {group_size} does not apply to {dtype} experts (their group is {fixed}); drop it")
+    if source is not None and dtype == source.dtype and group_size in (None, source.group_size):
+        return ExpertFormat(dtype, source.group_size, source.scale_dtype, source)
+    group = group_size if group_size is not None else DEFAULT_GROUPS[dtype]
+    return ExpertFormat(dtype, group, ALLOWED_SCALES[dtype][0], source)  # the quantizer's own scale dtype
+
+
+def projection_parts(ckpt: Checkpoint, name: str, role: str, spec: ExpertLayerSpec, is_passthrough: bool,
+                     check: Check | None = None) -> Iterator[tuple[str, torch.Tensor, int]]:
+    """Source projection `name` in the expert file's layout: (part, tensor, first row) pieces (`weight`, `scales`,
+    `tensor_scale`), copied as stored or quantized CHUNK_ROWS rows at a time (NVFP4, whose tensor scale spans the
+    projection, at once). `check(stored name, tensor)` sees what could hold NaN or inf first."""
+    rows, cols = spec.matrix_shape(role)
+    if is_passthrough:
+        matrix = ckpt.read_matrix(name, ckpt.layout(name), (rows, cols), check)
+        scales = matrix.scales.float() if spec.scale_dtype == "float32" else matrix.scales  # bf16 widens exactly
+        if matrix.layout.group_size != spec.group(cols):
+            raise CheckpointError(f"{ckpt.file_of(name)}: '{name}' is stored in groups of "
+                                  f"{matrix.layout.group_size}, the other experts in groups of {spec.group_size}")
+        yield "weight", matrix.weight, 0
+        yield "scales", scales.contiguous(), 0
+        if matrix.tensor_scale is not None:
+            yield "tensor_scale", matrix.tensor_scale, 0
+        return
+    weight = ckpt.read(name)
+    if check is not None and (spec.dtype == "bf16" or spec.scale_dtype != "float32"):
+        check(name, weight)  # no float32 scale to show a NaN (bf16 keeps the values; FP4 scales are 8-bit codes)
+    step = rows if spec.dtype == "nvfp4" else CHUNK_ROWS
+    for first in range(0, rows, step):
+        parts = quantize_matrix(weight[first:first + step], spec)
+        if check is not None and "scales" in parts and spec.scale_dtype == "float32":
+            check(name, parts["scales"])  # a group's scale is its largest magnitude: NaN or inf where the group is
+        for part, tensor in parts.items():
+            yield part, tensor, first
+
+
+def read_gpt_oss_layer(ckpt: Checkpoint, prefix: str, spec: ExpertLayerSpec,
+                       check: Check | None = None) -> dict[str, torch.Tensor]:
+    """One layer of gpt-oss's fused MXFP4 experts under `prefix` (`model.layers.N.mlp.experts`) -> the expert
+    file's stacked tensors, as stored: the packed codes reshaped (32 columns are 16 bytes, even column in the low
+    nibble, as `cpu_experts.formats`), the gate/up rows de-interleaved (gate = rows 0::2, up = rows 1::2)."""
+    if spec.dtype != "mxfp4":
+        raise ValueError(f"gpt-oss experts are MXFP4; the spec says {spec.dtype}")
+    e, hidden, inter = spec.num_experts, spec.hidden_size, spec.intermediate_size
+    expected = {"gate_up_proj_blocks": (e, 2 * inter, -(-hidden // 32), 16),
+                "gate_up_proj_scales": (e, 2 * inter, -(-hidden // 32)),
+                "down_proj_blocks": (e, hidden, -(-inter // 32), 16), "down_proj_scales": (e, hidden, -(-inter // 32))}
+    stored = {}
+    for suffix, shape in expected.items():
+        name = f"{prefix}.{suffix}"
+        if name not in ckpt.files:
+            raise CheckpointError(f"{ckpt.directory}: gpt-oss expert tensor '{name}' is missing")
+        info = ckpt.info(name)
+        if tuple(info.shape) != shape or info.dtype != torch.uint8:
+            raise CheckpointError(f"{ckpt.file_of(name)}: '{name}' is {info.dtype} {tuple(info.shape)}, expected "
+                                  f"torch.uint8 {shape}")
+        stored[suffix] = ckpt.read_raw(name)
+        if suffix.endswith("_scales"):
+            _check(check, name, stored[suffix].view(torch.float8_e8m0fnu))
+    gate_up = stored["gate_up_proj_blocks"].reshape(e, 2 * inter, -1)[..., : -(-hidden // 2)]
+    scales = stored["gate_up_proj_scales"]
+    return {"gate.weight": gate_up[:, 0::2].contiguous(), "gate.scales": scales[:, 0::2].contiguous(),
+            "up.weight": gate_up[:, 1::2].contiguous(), "up.scales": scales[:, 1::2].contiguous(),
+            "down.weight": stored["down_proj_blocks"].reshape(e, hidden, -1)[..., : -(-inter // 2)].contiguous(),
+            "down.scales": stored["down_proj_scales"].contiguous()}
+
+
+def _check(check: Check | None, name: str, tensor: torch.Tensor) -> None:
+    if check is not None:
+        check(name, tensor)
