@@ -30,6 +30,12 @@ from hybrid.engine_config import EngineConfig
 from hybrid.layers.moe import TorchExperts
 
 REL_TOL = 1e-4
+# The float formats round each expert matmul's input to bfloat16 (their contract), the act rows included: where
+# the kernel's fp32 sum and the reference's, in another order, fall on either side of a bfloat16 rounding midpoint
+# (about one act value in 10^4), that element moves by a bfloat16 step, and through the layers the logits by up to
+# ~1.5e-3 of their largest (measured: the kernels themselves agree with `moe_reference` to 3e-7 per layer, and
+# `tests/test_cpu_fp8.py` bounds them tightly). These end-to-end comparisons allow that.
+FLOAT_FORMAT_TOL = 5e-3
 PROMPTS = [prompt(24, seed=s) for s in range(2)]
 
 
@@ -38,9 +44,9 @@ def _float_kernels_available(*dtypes: str) -> bool:
     return all(dtype in kernels for dtype in dtypes or ("fp8", "mxfp4", "nvfp4"))
 
 
-def assert_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+def assert_close(got: torch.Tensor, want: torch.Tensor, what: str, tol: float = REL_TOL) -> None:
     err, scale = float((got - want).abs().max()), float(want.abs().max())
-    assert err <= REL_TOL * scale, f"{what}: max |ours - reference| = {err:.3e} > {REL_TOL} * {scale:.3e}"
+    assert err <= tol * scale, f"{what}: max |ours - reference| = {err:.3e} > {tol} * {scale:.3e}"
 
 
 def logits(path, **options) -> list[torch.Tensor]:
@@ -176,7 +182,7 @@ def test_float_experts_served_as_stored(tmp_path, layout):
     ref = round_expert_inputs(load_reference(src, values, tmp_path / "ref"))
     direct = logits(src, expert_placement="cpu", expert_dtype="auto")
     for ids, got in zip(PROMPTS, direct, strict=True):
-        assert_close(got, hf_logits(ref, ids), f"{layout} experts as stored")
+        assert_close(got, hf_logits(ref, ids), f"{layout} experts as stored", FLOAT_FORMAT_TOL)
     for got, want in zip(direct, logits(converted(src, tmp_path)), strict=True):
         assert torch.equal(got, want)
 
@@ -200,7 +206,7 @@ def test_deepseek_fp8_served_as_stored(fp8, tmp_path):  # noqa: F811
     ref = round_expert_inputs(ref.eval())
     direct = logits(fp8["path"], expert_placement="cpu", expert_dtype="auto")
     for ids, got in zip(PROMPTS, direct, strict=True):
-        assert_close(got, hf_logits(ref, ids), "DeepSeek FP8 experts as stored")
+        assert_close(got, hf_logits(ref, ids), "DeepSeek FP8 experts as stored", FLOAT_FORMAT_TOL)
     for got, want in zip(direct, logits(converted(fp8["path"], tmp_path)), strict=True):
         assert torch.equal(got, want)
 
