@@ -23,14 +23,17 @@ import torch
 from numba import njit, prange
 
 from cpu_experts import memory, topology
-from cpu_experts.expert_file import ExpertLayerSpec
+from cpu_experts.expert_file import ALLOWED_SCALES, ExpertLayerSpec
 from cpu_experts.operator import CpuMoE
 from cpu_experts.packed import PackedLayer, PartitionWeights
 
 # shape -> (experts, hidden, intermediate, top-k)
 SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8), "qwen3-235b-a22b": (128, 4096, 1536, 8),
           "deepseek-v3": (256, 7168, 2048, 8), "small": (32, 512, 256, 4)}
-GROUPS = {"int8": 0, "int4": 128}
+GROUPS = {"int8": 0, "int4": 128, "mxfp4": 32, "nvfp4": 16}
+# Scale bytes of the float formats: values near 1 (random bits would hold NaNs and tiny scales whose subnormal
+# products slow the kernels down): E8M0 2^-8 .. 2^0, e4m3 0.125 .. 1.875.
+SCALE_BITS = {"e8m0": (119, 128), "e4m3": (0x28, 0x40)}
 ROW_SECONDS = 10.0
 
 
@@ -110,13 +113,15 @@ def _timed(fn) -> float:
 
 def random_layer(shape: str, dtype: str, seed: int) -> PackedLayer:
     num_experts, hidden, inter, _ = SHAPES[shape]
-    spec = ExpertLayerSpec(num_experts, hidden, inter, dtype, GROUPS[dtype])
+    spec = ExpertLayerSpec(num_experts, hidden, inter, dtype, GROUPS[dtype], ALLOWED_SCALES[dtype][0])
     rng = np.random.default_rng(seed)
     block = rng.integers(0, 256, size=1 << 24, dtype=np.uint8)  # tiled: generating gigabytes would dominate
     arrays = {}
     for name, (dims, tdtype) in spec.tensor_shapes().items():
         if tdtype == torch.float32:
             arrays[name] = (rng.random(dims, dtype=np.float32) * 1e-3)
+        elif name.endswith(".scales") and spec.scale_dtype in SCALE_BITS:
+            arrays[name] = rng.integers(*SCALE_BITS[spec.scale_dtype], size=dims, dtype=np.uint8)
         else:
             array = memory.empty_tensor(dims, tdtype).numpy()
             flat = array.reshape(-1).view(np.uint8)
@@ -124,7 +129,9 @@ def random_layer(shape: str, dtype: str, seed: int) -> PackedLayer:
                 flat[start:start + block.size] = block[:flat.size - start]
             arrays[name] = array
     part = PartitionWeights(0, inter, arrays["gate.weight"], arrays["up.weight"], arrays["down.weight"],
-                            arrays.get("gate.scales"), arrays.get("up.scales"), arrays.get("down.scales"))
+                            arrays.get("gate.scales"), arrays.get("up.scales"), arrays.get("down.scales"),
+                            arrays.get("gate.tensor_scale"), arrays.get("up.tensor_scale"),
+                            arrays.get("down.tensor_scale"))
     return PackedLayer(spec, [part])
 
 
@@ -180,7 +187,7 @@ def run(args) -> list[dict]:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="hybrid-bench cpu-moe", description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
-    parser.add_argument("--dtype", default="int8", help="comma-separated: int8,int4")
+    parser.add_argument("--dtype", default="int8", help="comma-separated: int8,int4,mxfp4,nvfp4")
     parser.add_argument("--tokens", default="1,4,32,512,2048", help="comma-separated token counts")
     parser.add_argument("--paths", default="kernel", help="comma-separated: kernel (as it runs), matmul")
     parser.add_argument("--layers", type=int, default=0, help="layers to rotate over (default: 8x the LLC)")

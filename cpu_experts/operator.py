@@ -6,7 +6,7 @@ expert(x) = down(silu(gate x) * up x); an id of -1 is skipped (the expert runs e
 Per call, the (token, slot) pairs are grouped by expert (`route`), then each partition of I computes its partial
 output and the partials are summed. Two paths, chosen per call by token count:
 - decode (few tokens): the numba kernels stream each routed expert's quantized rows once, dequantizing in
-  registers (`cpu_experts.kernels`);
+  registers (`cpu_experts.kernels`; MXFP4 and NVFP4, on bf16 activations: `cpu_experts.kernels_fp4`);
 - prefill (many tokens, `prefill_min_tokens` or more, and bf16 experts at any count): matmuls grouped by expert.
   Per-channel int8 experts multiply int8 x int8: our AMX grouped GEMM where the CPU has AMX
   (`cpu_experts.prefill_amx`), else oneDNN per expert (`cpu_experts.prefill_int8`). Other experts are each
@@ -21,16 +21,18 @@ import numpy as np
 import torch
 from numba import njit
 
-from cpu_experts import kernels, kernels_vnni, prefill_amx, prefill_amx_grouped
+from cpu_experts import kernels, kernels_fp4, kernels_vnni, prefill_amx, prefill_amx_grouped
 from cpu_experts.packed import PackedLayer
 from cpu_experts.prefill import DequantPrefill, Workspace
 from cpu_experts.prefill_int8 import Int8Prefill
 
 # Token counts from which the prefill path runs, per expert dtype, where the two paths measured even on the
 # 16-core Xeon (docs/benchmarks.md); int4 prefill dequantizes every routed expert, so its decode kernels win longer.
-PREFILL_MIN_TOKENS = {"int8": 64, "int4": 512, "bf16": 0}
+PREFILL_MIN_TOKENS = {"int8": 64, "int4": 512, "bf16": 0, "mxfp4": 128, "nvfp4": 128}
 # On AMX (`cpu_experts.prefill_amx`, `prefill_amx_grouped`): from here the grouped GEMM beats the decode kernels.
 AMX_PREFILL_MIN_TOKENS = {"int8": 8, "int4": 32}
+# The float formats' decode kernels (bf16 activations, never W8A8), one partition a call: (x, routing, part, out).
+FLOAT_DECODE = {"mxfp4": kernels_fp4.decode_partition_mxfp4, "nvfp4": kernels_fp4.decode_partition_nvfp4}
 
 
 @dataclass(frozen=True)
@@ -88,27 +90,30 @@ class CpuMoE:
     """`int8_activations` (int8 and int4 experts): every matmul input row is rounded to int8 with its own absmax
     scale (W8A8), on both paths, so a token gets the same result whether it is decoded or prefilled; per-channel
     int8 experts then prefill as int8 x int8 (`cpu_experts.prefill_int8`). False keeps activations in float, exact to
-    the converted weights, prefill slower. `workspace`: scratch buffers, shareable by all layers of a model."""
+    the converted weights, prefill slower. MXFP4 and NVFP4 experts ignore it: their inputs are rounded to bf16 (the
+    formats' contract, `cpu_experts.kernels_fp4`). `workspace`: scratch buffers, shareable by all layers of a model."""
 
     def __init__(self, layer: PackedLayer, prefill_min_tokens: int | None = None,
                  int8_activations: bool = True, workspace: Workspace | None = None):
         self.layer = layer
         self.spec = layer.spec
-        self.is_w8a8 = self.spec.dtype != "bf16" and int8_activations
+        self.is_w8a8 = self.spec.dtype not in ("bf16", *FLOAT_DECODE) and int8_activations
         workspace = workspace or Workspace()
         self.integer_prefill = _integer_prefill(layer, workspace) if self.is_w8a8 else None
         if prefill_min_tokens is None:
             is_amx = isinstance(self.integer_prefill, (prefill_amx.AmxPrefill, prefill_amx_grouped.GroupedAmxPrefill))
             prefill_min_tokens = (AMX_PREFILL_MIN_TOKENS if is_amx else PREFILL_MIN_TOKENS)[self.spec.dtype]
         self.prefill_min_tokens = prefill_min_tokens
-        self.dequant_prefill = DequantPrefill(layer, workspace, round_activations=self.is_w8a8)
+        self.dequant_prefill = DequantPrefill(layer, workspace, round_activations=self.is_w8a8,
+                                              bf16_activations=self.spec.dtype in FLOAT_DECODE)
         self.is_vnni = self.is_w8a8 and kernels_vnni.has_vnni()  # integer decode kernels (same results)
 
     def __call__(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         self._check(hidden, topk_ids, topk_weights)
         routing = route(topk_ids.cpu().numpy(), topk_weights.detach().float().cpu().numpy(), self.spec.num_experts)
         if self.spec.dtype != "bf16" and hidden.shape[0] < self.prefill_min_tokens:
-            decode = self._decode_vnni if self.is_vnni else self._decode
+            decode = self._decode_float if self.spec.dtype in FLOAT_DECODE else \
+                self._decode_vnni if self.is_vnni else self._decode
             return torch.from_numpy(decode(_float32(hidden), routing)).to(hidden.dtype)
         if self.integer_prefill is not None:
             return torch.from_numpy(self.integer_prefill(_float32(hidden), routing)).to(hidden.dtype)
@@ -163,6 +168,14 @@ class CpuMoE:
         for part in self.layer.partitions:
             decode(x, r.experts, r.offsets, r.pair_token, r.pair_weight, part.gate, part.gate_scales, part.up,
                    part.up_scales, part.down, part.down_scales, group_h, self.spec.group_size or part.size, out)
+        return out
+
+    def _decode_float(self, x: np.ndarray, routing: Routing) -> np.ndarray:
+        """The float formats' decode kernels (`FLOAT_DECODE`), partition by partition; x float32 [T, H] -> [T, H]."""
+        out = np.zeros_like(x)
+        decode = FLOAT_DECODE[self.spec.dtype]
+        for part in self.layer.partitions:
+            decode(x, routing, part, out)
         return out
 
 
