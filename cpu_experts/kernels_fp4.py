@@ -22,16 +22,20 @@ from __future__ import annotations
 
 import llvmlite.binding as llvm
 import numpy as np
+import torch
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from cpu_experts.formats import E4M3_MAX
+from cpu_experts import formats
 from cpu_experts.kernels import _as_float32
 from cpu_experts.kernels_vnni import _IR
 
-FLAGS = dict(parallel=True, fastmath=True, nogil=True, cache=True)
+# error_model="numpy": no ZeroDivisionError paths for `//` and `%`, whose raising exits kept numba from pruning the
+# reference-count updates of every array argument (atomics, on lines every thread shares: more than a short row).
+BODY = dict(fastmath=True, nogil=True, cache=True, error_model="numpy")
+FLAGS = dict(BODY, parallel=True)
 MX_GROUP, NV_GROUP = 32, 16
 CHUNK = 16  # bytes of a weight row a vector step decodes: 32 columns
 SERIAL_ROWS = 8  # activation rows below which rounding them is not worth waking the thread pool
@@ -39,10 +43,11 @@ SERIAL_ROWS = 8  # activation rows below which rounding them is not worth waking
 I8, I32, I64, F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
 V16B, V16I, V16F = ir.VectorType(I8, 16), ir.VectorType(I32, 16), ir.VectorType(F32, 16)
 E2M1_TWICE = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # 2 * value of each code (bit 3: sign)
-# The scalar tails' copy of it, and the per-scale-byte factors: MXFP4 two (their product 2^(s - 128), the E8M0
-# scale halved, as two normal floats; 255, NaN, gives NaN), NVFP4 one (the e4m3 scale halved: at least 2^-10, normal).
-E2M1_TWICE_F32 = np.array(E2M1_TWICE, dtype=np.float32)
+E2M1_TWICE_F32 = np.array(E2M1_TWICE, dtype=np.float32)  # the prefill's dequantizer's copy
 
+
+# Per scale byte, the factors that scale the doubled codes: MXFP4 two, whose product is the E8M0 scale halved,
+# 2^(s - 128), both normal floats (255, NaN, gives NaN); NVFP4 one, the e4m3 scale halved (2^-10 at least: normal).
 
 def _mx_factors() -> np.ndarray:
     exponent = np.arange(256) - 128
@@ -53,13 +58,7 @@ def _mx_factors() -> np.ndarray:
 
 
 def _nv_factors() -> np.ndarray:
-    bits = np.arange(256, dtype=np.uint8)
-    sign = np.where(bits & 0x80, -1.0, 1.0)
-    exponent, mantissa = (bits >> 3) & 15, bits & 7
-    value = np.where(exponent > 0, (8 + mantissa) * np.exp2(exponent - 10.0), mantissa * 2.0 ** -9) * sign
-    value[(bits & 0x7F) == 0x7F] = np.nan
-    assert np.nanmax(value) == E4M3_MAX
-    return (value / 2).astype(np.float32)
+    return (formats.e4m3_to_float(torch.arange(256, dtype=torch.int32).to(torch.uint8)) / 2).numpy()
 
 
 MX_FACTORS = _mx_factors()  # [256, 2]
@@ -95,52 +94,75 @@ def _decode_nibbles(g: _IR, nibbles, portable: bool):
     return b.sitofp(signed, V16F)
 
 
-def _scale_vector(g: _IR, scales, table, chunk, is_mx: bool):
-    """The chunk's scale factors as <16 x float> vectors: MXFP4 (one group) two splats whose product is the group's
-    halved scale, NVFP4 (two groups of 8 lanes) one vector [s0 x 8, s1 x 8]."""
+class _Rows(_IR):
+    """`_IR` with pointers to an array's element at runtime indices, so the kernels pass whole arrays and indices
+    instead of slicing rows out of them."""
+
+    def item(self, ty, val, index_types, indices, elem):
+        array = self.context.make_array(ty)(self.context, self.b, val)
+        wide = [self.context.cast(self.b, v, t, types.intp) for v, t in zip(indices, index_types, strict=True)]
+        zeros = [ir.Constant(I64, 0)] * (ty.ndim - len(wide))
+        ptr = cgutils.get_item_pointer(self.context, self.b, ty, array, wide + zeros, wraparound=False)
+        return self.b.bitcast(ptr, elem.as_pointer())
+
+
+def _scale_vectors(g: _IR, scales, table, first, second, is_mx: bool):
+    """A chunk's scale factors as <16 x float> vectors, from the scale bytes at `first` (and `second`): MXFP4 (one
+    group) two splats whose product is the group's halved scale, NVFP4 (two groups of 8 lanes) [s0 x 8, s1 x 8]."""
     b = g.b
+
+    def factor(index, which=None):
+        byte = b.zext(b.load(b.gep(scales, [index])), I64)
+        if which is not None:
+            byte = b.add(b.mul(byte, ir.Constant(I64, 2)), ir.Constant(I64, which))
+        return b.load(b.gep(table, [byte]))
+
     if is_mx:
-        index = b.zext(b.load(b.gep(scales, [chunk])), I64)
-        first = b.mul(index, ir.Constant(I64, 2))
-        factors = [b.load(b.gep(table, [k])) for k in (first, b.add(first, ir.Constant(I64, 1)))]
-        return [b.shuffle_vector(b.insert_element(ir.Constant(V16F, None), f, ir.Constant(I32, 0)),
-                                 ir.Constant(V16F, None), ir.Constant(V16I, [0] * 16)) for f in factors]
-    pair = b.add(chunk, chunk)
-    pair_vec = ir.Constant(ir.VectorType(F32, 2), None)
-    for k in range(2):
-        index = b.zext(b.load(b.gep(scales, [b.add(pair, ir.Constant(I64, k))])), I64)
-        pair_vec = b.insert_element(pair_vec, b.load(b.gep(table, [index])), ir.Constant(I32, k))
-    return [b.shuffle_vector(pair_vec, pair_vec, ir.Constant(V16I, [0] * 8 + [1] * 8))]
+        return [b.shuffle_vector(b.insert_element(ir.Constant(V16F, None), factor(first, k), ir.Constant(I32, 0)),
+                                 ir.Constant(V16F, None), ir.Constant(V16I, [0] * 16)) for k in (0, 1)]
+    pair = ir.Constant(ir.VectorType(F32, 2), None)
+    for k, index in enumerate((first, second)):
+        pair = b.insert_element(pair, factor(index), ir.Constant(I32, k))
+    return [b.shuffle_vector(pair, pair, ir.Constant(V16I, [0] * 8 + [1] * 8))]
 
 
 def _fp4_codegen(num_rows: int, is_mx: bool, portable: bool | None = None):
-    """sum over the first `num_chunks` 16-byte chunks of each row of the chunk's scaled dot with x_even (low
-    nibbles) and x_odd (high ones); args: rows, their scale rows (uint8 bits), the factor table, x_even, x_odd,
-    num_chunks. Two accumulators per row (alternate chunks) keep two FMA chains in flight."""
+    """The dot of each row w_j[e, n] (uint8 [E, N, B], scale bits s_j [E, N, G]) with x[t] (x_even[t] for the low
+    nibbles, x_odd[t] for the high ones), before any tensor scale; args: w_0, s_0, (w_1, s_1,) e, n, the factor
+    table, x_even, x_odd, t. 16-byte chunks, two accumulators per row (alternate chunks: two FMA chains in flight);
+    a last partial chunk is copied to zero-padded buffers (code 0 is +0) and takes the same path."""
     def codegen(context, builder, sig, args):
         is_portable = PORTABLE if portable is None else portable
-        g = _IR(context, builder)
-        rows = [g.data(sig.args[j], args[j])[0] for j in range(num_rows)]
-        scales = [g.data(sig.args[num_rows + j], args[num_rows + j])[0] for j in range(num_rows)]
-        table = g.data(sig.args[2 * num_rows], args[2 * num_rows], F32)[0]
-        x_even = g.data(sig.args[2 * num_rows + 1], args[2 * num_rows + 1], F32)[0]
-        x_odd = g.data(sig.args[2 * num_rows + 2], args[2 * num_rows + 2], F32)[0]
-        num_chunks = builder.sext(args[-1], I64) if args[-1].type != I64 else args[-1]
+        g = _Rows(context, builder)
+        at = 2 * num_rows
+        row_index = (sig.args[at:at + 2], args[at:at + 2])
+        rows = [g.item(sig.args[2 * j], args[2 * j], *row_index, I8) for j in range(num_rows)]
+        scales = [g.item(sig.args[2 * j + 1], args[2 * j + 1], *row_index, I8) for j in range(num_rows)]
+        table = g.data(sig.args[at + 2], args[at + 2], F32)[0]
+        token = ([sig.args[at + 5]], [args[at + 5]])
+        x_even = g.item(sig.args[at + 3], args[at + 3], *token, F32)
+        x_odd = g.item(sig.args[at + 4], args[at + 4], *token, F32)
+        w_shape = context.make_array(sig.args[0])(context, builder, args[0]).shape
+        num_bytes = builder.extract_value(w_shape, 2)
+        c16 = ir.Constant(I64, CHUNK)
+        num_chunks = builder.sdiv(num_bytes, c16)
         accs = [[g.zeroed(V16F), g.zeroed(V16F)] for _ in range(num_rows)]
         nibble, four = ir.Constant(V16B, [15] * 16), ir.Constant(V16B, [4] * 16)
 
         def load(base, offset, ty):
             return builder.load(builder.bitcast(builder.gep(base, [offset]), ty.as_pointer()), align=1)
 
-        def chunk(index, half):
-            offset = builder.mul(index, ir.Constant(I64, CHUNK))
-            xe, xo = load(x_even, offset, V16F), load(x_odd, offset, V16F)
+        def chunk(w_ptrs, xe_ptr, xo_ptr, offset, index, half, second=None):
+            """Chunk `index` of the scales, its bytes at w_ptrs[j] + offset, its activations at x + offset."""
+            xe, xo = load(xe_ptr, offset, V16F), load(xo_ptr, offset, V16F)
+            pair = builder.add(index, index)
             for j in range(num_rows):
-                w = load(rows[j], offset, V16B)
+                w = load(w_ptrs[j], offset, V16B)
                 lo = _decode_nibbles(g, builder.and_(w, nibble), is_portable)
                 hi = _decode_nibbles(g, builder.lshr(w, four), is_portable)
                 dot = g.call("llvm.fma.v16f32", V16F, [V16F] * 3, [hi, xo, builder.fmul(lo, xe)])
-                factors = _scale_vector(g, scales[j], table, index, is_mx)
+                factors = _scale_vectors(g, scales[j], table, index if is_mx else pair,
+                                         second or builder.add(pair, ir.Constant(I64, 1)), is_mx)
                 if is_mx:
                     dot = builder.fmul(dot, factors[0])
                 acc = accs[j][half]
@@ -150,12 +172,31 @@ def _fp4_codegen(num_rows: int, is_mx: bool, portable: bool | None = None):
         two = ir.Constant(I64, 2)
         with cgutils.for_range(builder, builder.sdiv(num_chunks, two)) as loop:
             first = builder.mul(loop.index, two)
+            offset = builder.mul(first, c16)
             for row in rows:  # one 64-byte line every other iteration: the repeat is a cheap no-op
-                g.prefetch(row, builder.mul(first, ir.Constant(I64, CHUNK)))
-            chunk(first, 0)
-            chunk(builder.add(first, ir.Constant(I64, 1)), 1)
+                g.prefetch(row, offset)
+            chunk(rows, x_even, x_odd, offset, first, 0)
+            chunk(rows, x_even, x_odd, builder.add(offset, c16), builder.add(first, ir.Constant(I64, 1)), 1)
+        last = builder.sub(num_chunks, ir.Constant(I64, 1))
         with builder.if_then(builder.icmp_signed("!=", builder.srem(num_chunks, two), ir.Constant(I64, 0))):
-            chunk(builder.sub(num_chunks, ir.Constant(I64, 1)), 0)
+            chunk(rows, x_even, x_odd, builder.mul(last, c16), last, 0)
+        done = builder.mul(num_chunks, c16)
+        rest = builder.sub(num_bytes, done)
+        w_pad = [cgutils.alloca_once(builder, V16B) for _ in range(num_rows)]
+        xe_pad, xo_pad = cgutils.alloca_once(builder, V16F), cgutils.alloca_once(builder, V16F)
+        with builder.if_then(builder.icmp_signed(">", rest, ir.Constant(I64, 0))):
+            copies = [(w_pad[j], rows[j], 1) for j in range(num_rows)] + [(xe_pad, x_even, 4), (xo_pad, x_odd, 4)]
+            for pad, src, size in copies:
+                builder.store(ir.Constant(pad.type.pointee, None), pad)
+                cgutils.raw_memcpy(builder, builder.bitcast(pad, I8.as_pointer()),
+                                   builder.bitcast(builder.gep(src, [done]), I8.as_pointer()), rest, size)
+            # NVFP4: a second group only past 8 bytes (else its scale byte may not exist: reuse the first's)
+            second = builder.select(builder.icmp_signed(">", rest, ir.Constant(I64, CHUNK // 2)),
+                                    builder.add(builder.add(num_chunks, num_chunks), ir.Constant(I64, 1)),
+                                    builder.add(num_chunks, num_chunks))
+            pads = [builder.bitcast(p, I8.as_pointer()) for p in w_pad]
+            chunk(pads, builder.bitcast(xe_pad, F32.as_pointer()), builder.bitcast(xo_pad, F32.as_pointer()),
+                  ir.Constant(I64, 0), num_chunks, 1, second)
         sums = []
         for pair in accs:
             vec = builder.fadd(builder.load(pair[0]), builder.load(pair[1]))
@@ -171,77 +212,35 @@ def _signature(num_rows):
     return typer
 
 
-@intrinsic
-def _mx_chunks(typingctx, w, s, table, x_even, x_odd, num_chunks):
-    return _signature(1)(w, s, table, x_even, x_odd, num_chunks), _fp4_codegen(1, True)
-
-
-@intrinsic
-def _mx_chunks2(typingctx, w0, w1, s0, s1, table, x_even, x_odd, num_chunks):
-    return _signature(2)(w0, w1, s0, s1, table, x_even, x_odd, num_chunks), _fp4_codegen(2, True)
-
-
-@intrinsic
-def _nv_chunks(typingctx, w, s, table, x_even, x_odd, num_chunks):
-    return _signature(1)(w, s, table, x_even, x_odd, num_chunks), _fp4_codegen(1, False)
-
-
-@intrinsic
-def _nv_chunks2(typingctx, w0, w1, s0, s1, table, x_even, x_odd, num_chunks):
-    return _signature(2)(w0, w1, s0, s1, table, x_even, x_odd, num_chunks), _fp4_codegen(2, False)
-
-
 # ---- row dot products ------------------------------------------------------------------------------------------
+# Rows are named by indices (w[e, n] . x[t]), never sliced out, and each is one piece of IR: a slice (a new array)
+# or a call that passes arrays costs reference-count updates (atomics, on lines every thread shares), which measured
+# more than the whole of a short row.
 
-@njit(cache=True)
-def _tail(row, scales, x_even, x_odd, first_chunk, is_mx):
-    """The bytes past the whole chunks, group by group (a last partial group; NVFP4's last 8-byte group). Not
-    fastmath: each group's sum is scaled by the factors in order, so E8M0's tiny scales stay exact."""
-    group_bytes = (MX_GROUP if is_mx else NV_GROUP) // 2
-    num_bytes = row.shape[0]
-    acc = np.float32(0.0)
-    for g in range(first_chunk * CHUNK // group_bytes, scales.shape[0]):
-        s = np.float32(0.0)
-        for b in range(g * group_bytes, min((g + 1) * group_bytes, num_bytes)):
-            byte = row[b]
-            s += E2M1_TWICE_F32[byte & 15] * x_even[b] + E2M1_TWICE_F32[byte >> 4] * x_odd[b]
-        if is_mx:
-            acc += s * MX_FACTORS[scales[g], 0] * MX_FACTORS[scales[g], 1]
-        else:
-            acc += s * NV_FACTORS[scales[g]]
-    return acc
+@intrinsic
+def dot_mxfp4(typingctx, w, s, e, n, table, x_even, x_odd, t):
+    """MXFP4 row w[e, n] (packed uint8 [E, N, ceil(K / 2)], E8M0 scale bits s [E, N, ceil(K / 32)]) . x[t] (split
+    by `split_bf16`: x_even / x_odd [T, >= ceil(K / 2)]); `table`: MX_FACTORS."""
+    return _signature(1)(w, s, e, n, table, x_even, x_odd, t), _fp4_codegen(1, True)
 
 
-@njit(fastmath=True, cache=True)
-def dot_mxfp4(row, scales, x_even, x_odd):
-    """An MXFP4 row (packed uint8 [ceil(K / 2)], E8M0 scales [ceil(K / 32)]) . x (split: `split_bf16`)."""
-    num_chunks = row.shape[0] // CHUNK
-    return _mx_chunks(row, scales, MX_FACTORS, x_even, x_odd, num_chunks) + \
-        _tail(row, scales, x_even, x_odd, num_chunks, True)
+@intrinsic
+def dot2_mxfp4(typingctx, w0, s0, w1, s1, e, n, table, x_even, x_odd, t):
+    """(w0[e, n] . x[t], w1[e, n] . x[t]) in one pass over x: a token's gate and up rows."""
+    return _signature(2)(w0, s0, w1, s1, e, n, table, x_even, x_odd, t), _fp4_codegen(2, True)
 
 
-@njit(fastmath=True, cache=True)
-def dot_nvfp4(row, scales, x_even, x_odd):
-    """An NVFP4 row (e4m3 scales [ceil(K / 16)]) . x, before its tensor scale."""
-    num_chunks = row.shape[0] // CHUNK
-    return _nv_chunks(row, scales, NV_FACTORS, x_even, x_odd, num_chunks) + \
-        _tail(row, scales, x_even, x_odd, num_chunks, False)
+@intrinsic
+def dot_nvfp4(typingctx, w, s, e, n, table, x_even, x_odd, t):
+    """NVFP4 row w[e, n] (e4m3 scale bits s [E, N, ceil(K / 16)]) . x[t], before the tensor scale; `table`:
+    NV_FACTORS."""
+    return _signature(1)(w, s, e, n, table, x_even, x_odd, t), _fp4_codegen(1, False)
 
 
-@njit(fastmath=True, cache=True)
-def _dot2_mxfp4(w0, s0, w1, s1, x_even, x_odd):
-    num_chunks = w0.shape[0] // CHUNK
-    a, b = _mx_chunks2(w0, w1, s0, s1, MX_FACTORS, x_even, x_odd, num_chunks)
-    return (a + _tail(w0, s0, x_even, x_odd, num_chunks, True),
-            b + _tail(w1, s1, x_even, x_odd, num_chunks, True))
-
-
-@njit(fastmath=True, cache=True)
-def _dot2_nvfp4(w0, s0, w1, s1, x_even, x_odd):
-    num_chunks = w0.shape[0] // CHUNK
-    a, b = _nv_chunks2(w0, w1, s0, s1, NV_FACTORS, x_even, x_odd, num_chunks)
-    return (a + _tail(w0, s0, x_even, x_odd, num_chunks, False),
-            b + _tail(w1, s1, x_even, x_odd, num_chunks, False))
+@intrinsic
+def dot2_nvfp4(typingctx, w0, s0, w1, s1, e, n, table, x_even, x_odd, t):
+    """`dot2_mxfp4` for NVFP4 rows."""
+    return _signature(2)(w0, s0, w1, s1, e, n, table, x_even, x_odd, t), _fp4_codegen(2, False)
 
 
 # ---- activations -----------------------------------------------------------------------------------------------
@@ -254,7 +253,7 @@ def _float_bits(typingctx, value):
     return types.int32(types.float32), codegen
 
 
-@njit(fastmath=True, cache=True)
+@njit(**BODY)
 def round_bf16(value):
     """float32 -> the nearest bfloat16 (ties to even, as torch rounds), as a float32; NaN stays NaN."""
     bits = np.int64(_float_bits(np.float32(value)))
@@ -263,7 +262,7 @@ def round_bf16(value):
     return _as_float32(np.int32((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536))
 
 
-@njit(fastmath=True, cache=True)
+@njit(**BODY)
 def split_bf16_row(x, x_even, x_odd):
     """x float32 [K] rounded to bf16 -> x_even / x_odd [ceil(K / 2)] (columns 2b and 2b + 1; x_odd zero past an
     odd K): the weights' low nibbles meet x_even, their high nibbles x_odd."""
@@ -287,36 +286,39 @@ def split_bf16(x, x_even, x_odd):
             split_bf16_row(x[t], x_even[t], x_odd[t])
 
 
-@njit(fastmath=True, cache=True)
-def _store_act(p, i, rows, g, v, act_even, act_odd):
-    """act[p, i] = silu(g) * v, rounded to bf16, into the split form the down rows read (`split_bf16_row`)."""
-    a = round_bf16(g / (np.float32(1.0) + np.exp(-g)) * v)
+@njit(**BODY)
+def silu_mul_bf16(g, v):
+    """act = silu(g) * v, rounded to bf16 (the down projection's input)."""
+    return round_bf16(g / (np.float32(1.0) + np.exp(-g)) * v)
+
+
+@njit(**BODY)
+def _store_act(act_even, act_odd, p, i, rows, value):
     if i % 2:
-        act_odd[p, i // 2] = a
+        act_odd[p, i // 2] = value
     else:
-        act_even[p, i // 2] = a
-        if i == rows - 1:  # an odd partition's last byte: its high nibble meets zero
+        act_even[p, i // 2] = value
+        if i == rows - 1:  # an odd partition's last column: the high nibble of its byte meets zero
             act_odd[p, i // 2] = np.float32(0.0)
 
 
 # ---- loop bodies (shared with a decode pool) and one partition in one call ---------------------------------------
 # Plain functions (no allocation, nogil-safe), so a pool of threads can split the same items and compute the same
-# sums as the parallel loops here.
+# sums as the parallel loops here. act is stored split, as the down rows read it: act_even[p, i // 2] (even i),
+# act_odd (odd i; zero past an odd partition's last column), [P, >= ceil(Ip / 2)].
 
-@njit(fastmath=True, cache=True)
+@njit(**BODY, inline="always")
 def gate_up_item_mxfp4(r, experts, offsets, pair_token, gate, gate_s, up, up_s, x_even, x_odd, act_even, act_odd):
-    """Work item r = (routed expert u, row i): act[p, i] = silu(gate . x_t) * (up . x_t), bf16, for u's pairs p;
-    act stored split (`act_even` / `act_odd` [P, >= ceil(Ip / 2)])."""
+    """Work item r = (routed expert u, row i): act[p, i] = silu(gate . x_t) * (up . x_t), bf16, for u's pairs p."""
     rows = gate.shape[1]
     u, i = r // rows, r % rows
     e = experts[u]
     for p in range(offsets[u], offsets[u + 1]):
-        t = pair_token[p]
-        g, v = _dot2_mxfp4(gate[e, i], gate_s[e, i], up[e, i], up_s[e, i], x_even[t], x_odd[t])
-        _store_act(p, i, rows, g, v, act_even, act_odd)
+        g, v = dot2_mxfp4(gate, gate_s, up, up_s, e, i, MX_FACTORS, x_even, x_odd, pair_token[p])
+        _store_act(act_even, act_odd, p, i, rows, silu_mul_bf16(g, v))
 
 
-@njit(fastmath=True, cache=True)
+@njit(**BODY, inline="always")
 def gate_up_item_nvfp4(r, experts, offsets, pair_token, gate, gate_s, gate_ts, up, up_s, up_ts, x_even, x_odd,
                        act_even, act_odd):
     """`gate_up_item_mxfp4` for NVFP4 (`gate_ts` / `up_ts` [E]: the tensor scales)."""
@@ -324,59 +326,72 @@ def gate_up_item_nvfp4(r, experts, offsets, pair_token, gate, gate_s, gate_ts, u
     u, i = r // rows, r % rows
     e = experts[u]
     for p in range(offsets[u], offsets[u + 1]):
-        t = pair_token[p]
-        g, v = _dot2_nvfp4(gate[e, i], gate_s[e, i], up[e, i], up_s[e, i], x_even[t], x_odd[t])
-        _store_act(p, i, rows, g * gate_ts[e], v * up_ts[e], act_even, act_odd)
+        g, v = dot2_nvfp4(gate, gate_s, up, up_s, e, i, NV_FACTORS, x_even, x_odd, pair_token[p])
+        _store_act(act_even, act_odd, p, i, rows, silu_mul_bf16(g * gate_ts[e], v * up_ts[e]))
 
 
-@njit(fastmath=True, cache=True)
+@njit(**BODY, inline="always")
 def down_row_mxfp4(h, experts, offsets, pair_token, pair_weight, down, down_s, act_even, act_odd, out):
     """Output column h: out[t, h] += w * (down[e, h] . act_p) over every routed expert e and its pairs p."""
-    num_bytes = down.shape[2]  # act may be wider (a pool's scratch)
     for u in range(experts.shape[0]):
         e = experts[u]
         for p in range(offsets[u], offsets[u + 1]):
-            dot = dot_mxfp4(down[e, h], down_s[e, h], act_even[p, :num_bytes], act_odd[p, :num_bytes])
+            dot = dot_mxfp4(down, down_s, e, h, MX_FACTORS, act_even, act_odd, p)
             out[pair_token[p], h] += pair_weight[p] * dot
 
 
-@njit(fastmath=True, cache=True)
+@njit(**BODY, inline="always")
 def down_row_nvfp4(h, experts, offsets, pair_token, pair_weight, down, down_s, down_ts, act_even, act_odd, out):
     """`down_row_mxfp4` for NVFP4."""
-    num_bytes = down.shape[2]
     for u in range(experts.shape[0]):
         e = experts[u]
         for p in range(offsets[u], offsets[u + 1]):
-            dot = dot_nvfp4(down[e, h], down_s[e, h], act_even[p, :num_bytes], act_odd[p, :num_bytes])
+            dot = dot_nvfp4(down, down_s, e, h, NV_FACTORS, act_even, act_odd, p)
             out[pair_token[p], h] += pair_weight[p] * (dot * down_ts[e])
 
 
-@njit(**FLAGS)
+# One partition in one call (the dispatch of a numba call with a dozen arrays costs microseconds). The scratch
+# arrays are made here and passed to the parallel loops as arguments: arrays a function allocates itself cost
+# reference-count updates at every call that passes them, here every work item.
+
+@njit(**BODY)
 def decode_mxfp4(x, experts, offsets, pair_token, pair_weight, gate, gate_s, up, up_s, down, down_s, out):
     """out[T, H] += this partition's MXFP4 experts on x float32 [T, H]."""
-    num_pairs, rows = pair_token.shape[0], gate.shape[1]
     x_even = np.empty((x.shape[0], gate.shape[2]), dtype=np.float32)  # gate rows: ceil(H / 2) bytes
     x_odd = np.empty_like(x_even)
     split_bf16(x, x_even, x_odd)
-    act_even = np.empty((num_pairs, down.shape[2]), dtype=np.float32)  # down rows: ceil(Ip / 2) bytes
+    act_even = np.empty((pair_token.shape[0], down.shape[2]), dtype=np.float32)  # down rows: ceil(Ip / 2) bytes
     act_odd = np.empty_like(act_even)
-    for r in prange(experts.shape[0] * rows):
+    _loops_mxfp4(experts, offsets, pair_token, pair_weight, gate, gate_s, up, up_s, down, down_s, x_even, x_odd,
+                 act_even, act_odd, out)
+
+
+@njit(**FLAGS)
+def _loops_mxfp4(experts, offsets, pair_token, pair_weight, gate, gate_s, up, up_s, down, down_s, x_even, x_odd,
+                 act_even, act_odd, out):
+    for r in prange(experts.shape[0] * gate.shape[1]):
         gate_up_item_mxfp4(r, experts, offsets, pair_token, gate, gate_s, up, up_s, x_even, x_odd, act_even, act_odd)
     for h in prange(down.shape[1]):
         down_row_mxfp4(h, experts, offsets, pair_token, pair_weight, down, down_s, act_even, act_odd, out)
 
 
-@njit(**FLAGS)
+@njit(**BODY)
 def decode_nvfp4(x, experts, offsets, pair_token, pair_weight, gate, gate_s, gate_ts, up, up_s, up_ts, down, down_s,
                  down_ts, out):
     """`decode_mxfp4` for NVFP4 (`*_ts` [E]: each projection's tensor scale)."""
-    num_pairs, rows = pair_token.shape[0], gate.shape[1]
     x_even = np.empty((x.shape[0], gate.shape[2]), dtype=np.float32)
     x_odd = np.empty_like(x_even)
     split_bf16(x, x_even, x_odd)
-    act_even = np.empty((num_pairs, down.shape[2]), dtype=np.float32)
+    act_even = np.empty((pair_token.shape[0], down.shape[2]), dtype=np.float32)
     act_odd = np.empty_like(act_even)
-    for r in prange(experts.shape[0] * rows):
+    _loops_nvfp4(experts, offsets, pair_token, pair_weight, gate, gate_s, gate_ts, up, up_s, up_ts, down, down_s,
+                 down_ts, x_even, x_odd, act_even, act_odd, out)
+
+
+@njit(**FLAGS)
+def _loops_nvfp4(experts, offsets, pair_token, pair_weight, gate, gate_s, gate_ts, up, up_s, up_ts, down, down_s,
+                 down_ts, x_even, x_odd, act_even, act_odd, out):
+    for r in prange(experts.shape[0] * gate.shape[1]):
         gate_up_item_nvfp4(r, experts, offsets, pair_token, gate, gate_s, gate_ts, up, up_s, up_ts, x_even, x_odd,
                            act_even, act_odd)
     for h in prange(down.shape[1]):
@@ -405,7 +420,7 @@ def decode_partition_nvfp4(x, routing, part, out) -> None:
 def dequantize_fp4(packed, scales, is_mx, tensor_scale, out):
     """packed uint8 [N, ceil(K / 2)] with MXFP4 (`is_mx`) or NVFP4 scales [N, G] -> out float32 [N, K]: the
     reference's values (`formats.dequantize_mxfp4` / `dequantize_nvfp4`, NVFP4 times `tensor_scale` last), exact.
-    Not fastmath, so the scale factors multiply in order (see `_tail`)."""
+    Not fastmath, so E8M0's two factors multiply in order (never as their subnormal product)."""
     cols = out.shape[1]
     group = MX_GROUP if is_mx else NV_GROUP
     for n in prange(packed.shape[0]):

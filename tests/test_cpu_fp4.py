@@ -138,10 +138,28 @@ def test_matches_reference(layers, fmt, shape, partitions):
 
 
 def _split(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x float32 [K] -> the kernels' activations x_even, x_odd [1, ceil(K / 2)] (bf16-rounded)."""
     half = -(-x.shape[0] // 2)
     x_even, x_odd = np.empty((1, half), np.float32), np.empty((1, half), np.float32)
     kernels_fp4.split_bf16(x[None], x_even, x_odd)
-    return x_even[0], x_odd[0]
+    return x_even, x_odd
+
+
+@njit
+def _row_dots(w, s, x_even, x_odd, is_mx):
+    """Each row of w [1, N, B] (scale bits s [1, N, G]) . x[0], as the kernels compute it (NVFP4: before the
+    tensor scale)."""
+    out = np.empty(w.shape[1], dtype=np.float32)
+    for n in range(w.shape[1]):
+        if is_mx:
+            out[n] = kernels_fp4.dot_mxfp4(w, s, 0, n, kernels_fp4.MX_FACTORS, x_even, x_odd, 0)
+        else:
+            out[n] = kernels_fp4.dot_nvfp4(w, s, 0, n, kernels_fp4.NV_FACTORS, x_even, x_odd, 0)
+    return out
+
+
+def row_dots(packed: torch.Tensor, scales: torch.Tensor, x_even, x_odd, is_mx: bool) -> torch.Tensor:
+    return torch.from_numpy(_row_dots(packed[None].numpy(), scales[None].numpy(), x_even, x_odd, is_mx)).double()
 
 
 def test_e8m0_extremes_on_single_rows():
@@ -171,7 +189,7 @@ def test_e8m0_extremes_on_single_rows():
             x_even, x_odd = _split(x.numpy())
             assert torch.set_flush_denormal(flush)
             try:
-                got = kernels_fp4.dot_mxfp4(packed[0].numpy(), scales[0].numpy(), x_even, x_odd)
+                got = float(row_dots(packed, scales, x_even, x_odd, True)[0])
             finally:
                 torch.set_flush_denormal(False)
             assert 1e-30 < magnitude < 1e30 and abs(got - want) <= 1e-6 * magnitude, \
@@ -179,22 +197,24 @@ def test_e8m0_extremes_on_single_rows():
 
 
 def test_nvfp4_block_scales_on_single_rows():
-    """Every e4m3 block scale from 0 through the subnormals (2^-9 ..) to 448 on one row each; the kernel's dot
-    before the tensor scale, times it, against the reference's weights (tensor scale applied per element)."""
+    """Every e4m3 block scale from 0 through the subnormals (2^-9 ..) to 448, each alone on a row, then rows whose
+    groups' scales all differ (each group's own scale, the tail's two groups included); the kernel's dot before
+    the tensor scale, times it, against the reference's weights (tensor scale applied per element)."""
     gen = torch.Generator().manual_seed(6)
-    cols = 200  # 12 whole groups and a partial one: 6 chunks and an 8-byte group and 4 bytes in the tail
+    cols = 220  # 13 whole groups and a partial one: 6 chunks, then 14 bytes (two groups, the second partial)
+    num_groups = -(-cols // 16)
     bits = torch.arange(0, 0x7F, dtype=torch.uint8)  # 0x7F is NaN
-    codes = torch.randint(0, 16, (len(bits), cols), generator=gen)
+    mixed = torch.randint(0x28, 0x48, (16, num_groups), generator=gen, dtype=torch.uint8)
+    scales = torch.cat([bits[:, None].expand(-1, num_groups), mixed]).contiguous()
+    codes = torch.randint(0, 16, (len(scales), cols), generator=gen)
     codes[:, :16] = torch.arange(16)
     packed = formats.pack_fp4(codes)
-    scales = bits[:, None].expand(-1, -(-cols // 16)).contiguous()
     tensor_scale = torch.tensor(0.0371)
     x = torch.randn(cols, generator=gen).bfloat16().float()
     deq = formats.dequantize_nvfp4(packed, scales, tensor_scale, cols).double()
     want, magnitude = deq @ x.double(), deq.abs() @ x.abs().double()
     x_even, x_odd = _split(x.numpy())
-    got = torch.tensor([kernels_fp4.dot_nvfp4(packed[r].numpy(), scales[r].numpy(), x_even, x_odd)
-                        for r in range(len(bits))], dtype=torch.float64) * float(tensor_scale)
+    got = row_dots(packed, scales, x_even, x_odd, False) * float(tensor_scale)
     assert bool((got[1:] != 0).all()) and got[0] == 0
     assert float(((got - want).abs() / magnitude.clamp(min=1e-30)).max()) <= 1e-6
 
@@ -210,14 +230,14 @@ def test_round_bf16_matches_torch():
     x = torch.cat([torch.randn(4096, generator=gen) * 100, tie, special, torch.tensor([float("nan")])])
     want = x.bfloat16().float()
     x_even, x_odd = _split(x.numpy())
-    got = torch.from_numpy(np.stack([x_even, x_odd], axis=1).reshape(-1)[:len(x)].copy())
+    got = torch.from_numpy(np.stack([x_even[0], x_odd[0]], axis=1).reshape(-1)[:len(x)].copy())
     assert torch.equal(got[:-1].view(torch.int32), want[:-1].view(torch.int32))
     assert torch.isnan(got[-1])
 
 
 def _portable_codegen(is_mx):
-    def typer(typingctx, w, s, table, x_even, x_odd, num_chunks):
-        return (kernels_fp4._signature(1)(w, s, table, x_even, x_odd, num_chunks),
+    def typer(typingctx, w, s, e, n, table, x_even, x_odd, t):
+        return (kernels_fp4._signature(1)(w, s, e, n, table, x_even, x_odd, t),
                 kernels_fp4._fp4_codegen(1, is_mx, portable=True))
     return intrinsic(typer)
 
@@ -226,27 +246,30 @@ _portable_mx, _portable_nv = _portable_codegen(True), _portable_codegen(False)
 
 
 @njit
-def _chunks_both_ways(w, s, x_even, x_odd, is_mx):
-    n = w.shape[0] // kernels_fp4.CHUNK
-    if is_mx:
-        return (kernels_fp4._mx_chunks(w, s, kernels_fp4.MX_FACTORS, x_even, x_odd, n),
-                _portable_mx(w, s, kernels_fp4.MX_FACTORS, x_even, x_odd, n))
-    return (kernels_fp4._nv_chunks(w, s, kernels_fp4.NV_FACTORS, x_even, x_odd, n),
-            _portable_nv(w, s, kernels_fp4.NV_FACTORS, x_even, x_odd, n))
+def _portable_row_dots(w, s, x_even, x_odd, is_mx):
+    out = np.empty(w.shape[1], dtype=np.float32)
+    for n in range(w.shape[1]):
+        if is_mx:
+            out[n] = _portable_mx(w, s, 0, n, kernels_fp4.MX_FACTORS, x_even, x_odd, 0)
+        else:
+            out[n] = _portable_nv(w, s, 0, n, kernels_fp4.NV_FACTORS, x_even, x_odd, 0)
+    return out
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_portable_decode_equals_the_table_lookup(fmt):
     """The generic-IR nibble decode (for CPUs without SSSE3's `pshufb`) gives the same sums, bit for bit."""
     rng = np.random.default_rng(8)
-    row = rng.integers(0, 256, 160, dtype=np.uint8)  # 10 chunks, every byte value likely
-    row[:16] = np.arange(16) * 17
-    scales = rng.integers(0x28, 0x40, 20, dtype=np.uint8) if fmt == "nvfp4" else \
-        rng.integers(100, 140, 10, dtype=np.uint8)
-    x = rng.standard_normal(320).astype(np.float32)
-    x_even, x_odd = _split(x)
-    table, portable = _chunks_both_ways(row, scales, x_even, x_odd, fmt == "mxfp4")
-    assert table == portable and table != 0
+    num_bytes = 170  # 10 chunks and a tail of 10 bytes
+    rows = rng.integers(0, 256, (1, 4, num_bytes), dtype=np.uint8)
+    rows[0, :, :16] = np.arange(16) * 17
+    is_mx = fmt == "mxfp4"
+    scales = rng.integers(100, 140, (1, 4, -(-num_bytes // 16)), dtype=np.uint8) if is_mx else \
+        rng.integers(0x28, 0x40, (1, 4, -(-num_bytes // 8)), dtype=np.uint8)
+    x_even, x_odd = _split(rng.standard_normal(2 * num_bytes).astype(np.float32))
+    table = _row_dots(rows, scales, x_even, x_odd, is_mx)
+    portable = _portable_row_dots(rows, scales, x_even, x_odd, is_mx)
+    assert np.array_equal(table, portable) and bool((table != 0).all())
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
