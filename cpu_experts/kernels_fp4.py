@@ -126,81 +126,95 @@ def _scale_vectors(g: _IR, scales, table, first, second, is_mx: bool):
     return [b.shuffle_vector(pair, pair, ir.Constant(V16I, [0] * 8 + [1] * 8))]
 
 
+class _RowDots:
+    """The IR of one call of a row-dot intrinsic (`_fp4_codegen`): its pointers, accumulators and chunk step."""
+
+    def __init__(self, context, builder, sig, args, num_rows: int, is_mx: bool, portable: bool):
+        self.g, self.b = _Rows(context, builder), builder
+        self.num_rows, self.is_mx, self.portable = num_rows, is_mx, portable
+        at = 2 * num_rows
+        row_index = (sig.args[at:at + 2], args[at:at + 2])
+        self.rows = [self.g.item(sig.args[2 * j], args[2 * j], *row_index, I8) for j in range(num_rows)]
+        self.scales = [self.g.item(sig.args[2 * j + 1], args[2 * j + 1], *row_index, I8) for j in range(num_rows)]
+        self.table = self.g.data(sig.args[at + 2], args[at + 2], F32)[0]
+        token = ([sig.args[at + 5]], [args[at + 5]])
+        self.x_even = self.g.item(sig.args[at + 3], args[at + 3], *token, F32)
+        self.x_odd = self.g.item(sig.args[at + 4], args[at + 4], *token, F32)
+        self.num_bytes = builder.extract_value(context.make_array(sig.args[0])(context, builder, args[0]).shape, 2)
+        self.accs = [[self.g.zeroed(V16F), self.g.zeroed(V16F)] for _ in range(num_rows)]
+
+    def load(self, base, offset, ty):
+        return self.b.load(self.b.bitcast(self.b.gep(base, [offset]), ty.as_pointer()), align=1)
+
+    def chunk(self, w_ptrs, xe_ptr, xo_ptr, offset, index, half, second=None):
+        """Chunk `index` (of the scales): its bytes at w_ptrs[j] + offset, its activations at x + offset; NVFP4's
+        second group's scale at `second` (default: the group after the first)."""
+        b = self.b
+        xe, xo = self.load(xe_ptr, offset, V16F), self.load(xo_ptr, offset, V16F)
+        first = index if self.is_mx else b.add(index, index)
+        second = second or b.add(first, ir.Constant(I64, 1))
+        for j in range(self.num_rows):
+            w = self.load(w_ptrs[j], offset, V16B)
+            lo = _decode_nibbles(self.g, b.and_(w, ir.Constant(V16B, [15] * 16)), self.portable)
+            hi = _decode_nibbles(self.g, b.lshr(w, ir.Constant(V16B, [4] * 16)), self.portable)
+            dot = self.g.call("llvm.fma.v16f32", V16F, [V16F] * 3, [hi, xo, b.fmul(lo, xe)])
+            factors = _scale_vectors(self.g, self.scales[j], self.table, first, second, self.is_mx)
+            if self.is_mx:
+                dot = b.fmul(dot, factors[0])
+            acc = self.accs[j][half]
+            b.store(self.g.call("llvm.fma.v16f32", V16F, [V16F] * 3, [dot, factors[-1], b.load(acc)]), acc)
+
+    def whole_chunks(self, num_chunks):
+        b, c16, two = self.b, ir.Constant(I64, CHUNK), ir.Constant(I64, 2)
+        with cgutils.for_range(b, b.sdiv(num_chunks, two)) as loop:
+            first = b.mul(loop.index, two)
+            offset = b.mul(first, c16)
+            for row in self.rows:  # one 64-byte line every other iteration: the repeat is a cheap no-op
+                self.g.prefetch(row, offset)
+            self.chunk(self.rows, self.x_even, self.x_odd, offset, first, 0)
+            self.chunk(self.rows, self.x_even, self.x_odd, b.add(offset, c16), b.add(first, ir.Constant(I64, 1)), 1)
+        last = b.sub(num_chunks, ir.Constant(I64, 1))
+        with b.if_then(b.icmp_signed("!=", b.srem(num_chunks, two), ir.Constant(I64, 0))):
+            self.chunk(self.rows, self.x_even, self.x_odd, b.mul(last, c16), last, 0)
+
+    def partial_chunk(self, num_chunks):
+        """The bytes past the whole chunks, copied into zero-padded buffers (code 0 is +0, x 0 past the row)."""
+        b = self.b
+        done = b.mul(num_chunks, ir.Constant(I64, CHUNK))
+        rest = b.sub(self.num_bytes, done)
+        w_pad = [cgutils.alloca_once(b, V16B) for _ in range(self.num_rows)]
+        xe_pad, xo_pad = cgutils.alloca_once(b, V16F), cgutils.alloca_once(b, V16F)
+        with b.if_then(b.icmp_signed(">", rest, ir.Constant(I64, 0))):
+            copies = [(pad, row, 1) for pad, row in zip(w_pad, self.rows, strict=True)]
+            copies += [(xe_pad, self.x_even, 4), (xo_pad, self.x_odd, 4)]
+            for pad, src, size in copies:
+                b.store(ir.Constant(pad.type.pointee, None), pad)
+                cgutils.raw_memcpy(b, b.bitcast(pad, I8.as_pointer()), b.bitcast(b.gep(src, [done]), I8.as_pointer()),
+                                   rest, size)
+            # NVFP4: a second group only past 8 bytes (else its scale byte may not exist: reuse the first's)
+            first = b.add(num_chunks, num_chunks)
+            second = b.select(b.icmp_signed(">", rest, ir.Constant(I64, CHUNK // 2)), b.add(first, ir.Constant(I64, 1)),
+                              first)
+            self.chunk([b.bitcast(p, I8.as_pointer()) for p in w_pad], b.bitcast(xe_pad, F32.as_pointer()),
+                       b.bitcast(xo_pad, F32.as_pointer()), ir.Constant(I64, 0), num_chunks, 1, second)
+
+    def sums(self):
+        return [self.g.call("llvm.vector.reduce.fadd.v16f32", F32, [F32, V16F],
+                            [ir.Constant(F32, 0.0), self.b.fadd(self.b.load(a0), self.b.load(a1))])
+                for a0, a1 in self.accs]
+
+
 def _fp4_codegen(num_rows: int, is_mx: bool, portable: bool | None = None):
     """The dot of each row w_j[e, n] (uint8 [E, N, B], scale bits s_j [E, N, G]) with x[t] (x_even[t] for the low
     nibbles, x_odd[t] for the high ones), before any tensor scale; args: w_0, s_0, (w_1, s_1,) e, n, the factor
     table, x_even, x_odd, t. 16-byte chunks, two accumulators per row (alternate chunks: two FMA chains in flight);
-    a last partial chunk is copied to zero-padded buffers (code 0 is +0) and takes the same path."""
+    a last partial chunk takes the same path from zero-padded copies."""
     def codegen(context, builder, sig, args):
-        is_portable = PORTABLE if portable is None else portable
-        g = _Rows(context, builder)
-        at = 2 * num_rows
-        row_index = (sig.args[at:at + 2], args[at:at + 2])
-        rows = [g.item(sig.args[2 * j], args[2 * j], *row_index, I8) for j in range(num_rows)]
-        scales = [g.item(sig.args[2 * j + 1], args[2 * j + 1], *row_index, I8) for j in range(num_rows)]
-        table = g.data(sig.args[at + 2], args[at + 2], F32)[0]
-        token = ([sig.args[at + 5]], [args[at + 5]])
-        x_even = g.item(sig.args[at + 3], args[at + 3], *token, F32)
-        x_odd = g.item(sig.args[at + 4], args[at + 4], *token, F32)
-        w_shape = context.make_array(sig.args[0])(context, builder, args[0]).shape
-        num_bytes = builder.extract_value(w_shape, 2)
-        c16 = ir.Constant(I64, CHUNK)
-        num_chunks = builder.sdiv(num_bytes, c16)
-        accs = [[g.zeroed(V16F), g.zeroed(V16F)] for _ in range(num_rows)]
-        nibble, four = ir.Constant(V16B, [15] * 16), ir.Constant(V16B, [4] * 16)
-
-        def load(base, offset, ty):
-            return builder.load(builder.bitcast(builder.gep(base, [offset]), ty.as_pointer()), align=1)
-
-        def chunk(w_ptrs, xe_ptr, xo_ptr, offset, index, half, second=None):
-            """Chunk `index` of the scales, its bytes at w_ptrs[j] + offset, its activations at x + offset."""
-            xe, xo = load(xe_ptr, offset, V16F), load(xo_ptr, offset, V16F)
-            pair = builder.add(index, index)
-            for j in range(num_rows):
-                w = load(w_ptrs[j], offset, V16B)
-                lo = _decode_nibbles(g, builder.and_(w, nibble), is_portable)
-                hi = _decode_nibbles(g, builder.lshr(w, four), is_portable)
-                dot = g.call("llvm.fma.v16f32", V16F, [V16F] * 3, [hi, xo, builder.fmul(lo, xe)])
-                factors = _scale_vectors(g, scales[j], table, index if is_mx else pair,
-                                         second or builder.add(pair, ir.Constant(I64, 1)), is_mx)
-                if is_mx:
-                    dot = builder.fmul(dot, factors[0])
-                acc = accs[j][half]
-                builder.store(g.call("llvm.fma.v16f32", V16F, [V16F] * 3, [dot, factors[-1], builder.load(acc)]),
-                              acc)
-
-        two = ir.Constant(I64, 2)
-        with cgutils.for_range(builder, builder.sdiv(num_chunks, two)) as loop:
-            first = builder.mul(loop.index, two)
-            offset = builder.mul(first, c16)
-            for row in rows:  # one 64-byte line every other iteration: the repeat is a cheap no-op
-                g.prefetch(row, offset)
-            chunk(rows, x_even, x_odd, offset, first, 0)
-            chunk(rows, x_even, x_odd, builder.add(offset, c16), builder.add(first, ir.Constant(I64, 1)), 1)
-        last = builder.sub(num_chunks, ir.Constant(I64, 1))
-        with builder.if_then(builder.icmp_signed("!=", builder.srem(num_chunks, two), ir.Constant(I64, 0))):
-            chunk(rows, x_even, x_odd, builder.mul(last, c16), last, 0)
-        done = builder.mul(num_chunks, c16)
-        rest = builder.sub(num_bytes, done)
-        w_pad = [cgutils.alloca_once(builder, V16B) for _ in range(num_rows)]
-        xe_pad, xo_pad = cgutils.alloca_once(builder, V16F), cgutils.alloca_once(builder, V16F)
-        with builder.if_then(builder.icmp_signed(">", rest, ir.Constant(I64, 0))):
-            copies = [(w_pad[j], rows[j], 1) for j in range(num_rows)] + [(xe_pad, x_even, 4), (xo_pad, x_odd, 4)]
-            for pad, src, size in copies:
-                builder.store(ir.Constant(pad.type.pointee, None), pad)
-                cgutils.raw_memcpy(builder, builder.bitcast(pad, I8.as_pointer()),
-                                   builder.bitcast(builder.gep(src, [done]), I8.as_pointer()), rest, size)
-            # NVFP4: a second group only past 8 bytes (else its scale byte may not exist: reuse the first's)
-            second = builder.select(builder.icmp_signed(">", rest, ir.Constant(I64, CHUNK // 2)),
-                                    builder.add(builder.add(num_chunks, num_chunks), ir.Constant(I64, 1)),
-                                    builder.add(num_chunks, num_chunks))
-            pads = [builder.bitcast(p, I8.as_pointer()) for p in w_pad]
-            chunk(pads, builder.bitcast(xe_pad, F32.as_pointer()), builder.bitcast(xo_pad, F32.as_pointer()),
-                  ir.Constant(I64, 0), num_chunks, 1, second)
-        sums = []
-        for pair in accs:
-            vec = builder.fadd(builder.load(pair[0]), builder.load(pair[1]))
-            sums.append(g.call("llvm.vector.reduce.fadd.v16f32", F32, [F32, V16F], [ir.Constant(F32, 0.0), vec]))
+        dots = _RowDots(context, builder, sig, args, num_rows, is_mx, PORTABLE if portable is None else portable)
+        num_chunks = builder.sdiv(dots.num_bytes, ir.Constant(I64, CHUNK))
+        dots.whole_chunks(num_chunks)
+        dots.partial_chunk(num_chunks)
+        sums = dots.sums()
         return sums[0] if num_rows == 1 else context.make_tuple(builder, sig.return_type, sums)
     return codegen
 
@@ -416,18 +430,29 @@ def decode_partition_nvfp4(x, routing, part, out) -> None:
 
 # ---- prefill: whole projections dequantized ----------------------------------------------------------------------
 
-@njit(parallel=True, nogil=True, cache=True)
+@njit(parallel=True, nogil=True, cache=True, error_model="numpy")
 def dequantize_fp4(packed, scales, is_mx, tensor_scale, out):
-    """packed uint8 [N, ceil(K / 2)] with MXFP4 (`is_mx`) or NVFP4 scales [N, G] -> out float32 [N, K]: the
+    """packed uint8 [N, ceil(K / 2)] with MXFP4 (`is_mx`) or NVFP4 scale bits [N, G] -> out float32 [N, K]: the
     reference's values (`formats.dequantize_mxfp4` / `dequantize_nvfp4`, NVFP4 times `tensor_scale` last), exact.
-    Not fastmath, so E8M0's two factors multiply in order (never as their subnormal product)."""
+    Not fastmath, so each value is (code * first factor) * second factor, in that order (E8M0: never their
+    subnormal product)."""
     cols = out.shape[1]
-    group = MX_GROUP if is_mx else NV_GROUP
+    group_bytes = (MX_GROUP if is_mx else NV_GROUP) // 2
+    whole = cols // 2  # bytes with both columns inside the row
     for n in prange(packed.shape[0]):
-        for j in range(cols):
-            code = (np.int32(packed[n, j >> 1]) >> ((j & 1) * 4)) & 15
-            s = scales[n, j // group]
-            if is_mx:
-                out[n, j] = E2M1_TWICE_F32[code] * MX_FACTORS[s, 0] * MX_FACTORS[s, 1]
-            else:
-                out[n, j] = E2M1_TWICE_F32[code] * NV_FACTORS[s] * tensor_scale
+        for g in range(scales.shape[1]):
+            a, b = _factors(scales[n, g], is_mx, tensor_scale)
+            for j in range(g * group_bytes, min((g + 1) * group_bytes, whole)):
+                byte = packed[n, j]
+                out[n, 2 * j] = E2M1_TWICE_F32[byte & 15] * a * b
+                out[n, 2 * j + 1] = E2M1_TWICE_F32[byte >> 4] * a * b
+        if cols % 2:
+            a, b = _factors(scales[n, scales.shape[1] - 1], is_mx, tensor_scale)
+            out[n, cols - 1] = E2M1_TWICE_F32[packed[n, whole] & 15] * a * b
+
+
+@njit(nogil=True, cache=True)
+def _factors(scale, is_mx, tensor_scale):
+    if is_mx:
+        return MX_FACTORS[scale, 0], MX_FACTORS[scale, 1]
+    return NV_FACTORS[scale], tensor_scale

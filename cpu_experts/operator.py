@@ -28,7 +28,9 @@ from cpu_experts.prefill_int8 import Int8Prefill
 
 # Token counts from which the prefill path runs, per expert dtype, where the two paths measured even on the
 # 16-core Xeon (docs/benchmarks.md); int4 prefill dequantizes every routed expert, so its decode kernels win longer.
-PREFILL_MIN_TOKENS = {"int8": 64, "int4": 512, "bf16": 0, "mxfp4": 128, "nvfp4": 128}
+# MXFP4 and NVFP4 prefill dequantizes too (to float32): even at ~200 tokens on the small shape (1 thread) and ~700 on
+# Qwen3-30B-A3B's (2 threads) on the 2-core development machine; the Xeon's measurement is to come.
+PREFILL_MIN_TOKENS = {"int8": 64, "int4": 512, "bf16": 0, "mxfp4": 512, "nvfp4": 512}
 # On AMX (`cpu_experts.prefill_amx`, `prefill_amx_grouped`): from here the grouped GEMM beats the decode kernels.
 AMX_PREFILL_MIN_TOKENS = {"int8": 8, "int4": 32}
 # The float formats' decode kernels (bf16 activations, never W8A8), one partition a call: (x, routing, part, out).

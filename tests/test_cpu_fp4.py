@@ -24,7 +24,7 @@ from numba.extending import intrinsic
 
 from cpu_experts import formats, kernels_fp4
 from cpu_experts.expert_file import ALLOWED_SCALES, FIXED_GROUP, ExpertLayerSpec, dequantize_matrix
-from cpu_experts.operator import CpuMoE
+from cpu_experts.operator import PREFILL_MIN_TOKENS, CpuMoE
 from cpu_experts.packed import PackedLayer
 from cpu_experts.reference import moe_reference
 
@@ -121,7 +121,7 @@ def test_matches_reference(layers, fmt, shape, partitions):
     decode = CpuMoE(layer, prefill_min_tokens=10**9)
     prefill = CpuMoE(layer, prefill_min_tokens=1)
     default = CpuMoE(layer)
-    assert not default.is_w8a8 and 17 < default.prefill_min_tokens <= 300
+    assert not default.is_w8a8 and default.prefill_min_tokens == PREFILL_MIN_TOKENS[fmt]
     for seed, (num_tokens, top_k) in enumerate(CASES):
         ids, w = routing(num_experts, num_tokens, top_k, seed)
         x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(100 + seed))
