@@ -23,16 +23,20 @@ import torch
 from numba import njit, prange
 
 from cpu_experts import memory, topology
-from cpu_experts.expert_file import ExpertLayerSpec
+from cpu_experts.expert_file import ALLOWED_SCALES, ExpertLayerSpec
 from cpu_experts.operator import CpuMoE
 from cpu_experts.packed import PackedLayer, PartitionWeights
 
 # shape -> (experts, hidden, intermediate, top-k)
 SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8), "qwen3-235b-a22b": (128, 4096, 1536, 8),
           "deepseek-v3": (256, 7168, 2048, 8), "kimi-k2.5": (384, 7168, 2048, 8), "small": (32, 512, 256, 4)}
-GROUPS = {"int8": 0, "int4": 128, "int4-g32": 32, "fp8": 128}
+GROUPS = {"int8": 0, "int4": 128, "int4-g32": 32, "fp8": 128, "mxfp4": 32, "nvfp4": 16}
 # --dtype spellings that are not an expert dtype's own name: (dtype, scale dtype)
 VARIANTS = {"int4-g32": ("int4", "bfloat16")}  # Kimi-K2's INT4 as published: group 32, bfloat16 scales
+# Scale bytes of the float formats, for weights of a checkpoint's size (|w| < 0.1, as the int scales below give):
+# random bits would hold NaNs, and large weights make activations whose silu is subnormal, which slows any kernel
+# down. E8M0 2^-11 .. 2^-6; e4m3 0.125 .. 1.875 (times tensor scales below 1e-3).
+SCALE_BITS = {"e8m0": (116, 122), "e4m3": (0x28, 0x40)}
 ROW_SECONDS = 10.0
 
 
@@ -112,7 +116,7 @@ def _timed(fn) -> float:
 
 def random_layer(shape: str, dtype: str, seed: int) -> PackedLayer:
     num_experts, hidden, inter, _ = SHAPES[shape]
-    base, scale_dtype = VARIANTS.get(dtype, (dtype, "float32"))
+    base, scale_dtype = VARIANTS.get(dtype, (dtype, ALLOWED_SCALES[dtype][0]))
     spec = ExpertLayerSpec(num_experts, hidden, inter, base, GROUPS[dtype], scale_dtype)
     rng = np.random.default_rng(seed)
     block = rng.integers(0, 256, size=1 << 24, dtype=np.uint8)  # tiled: generating gigabytes would dominate
@@ -122,6 +126,8 @@ def random_layer(shape: str, dtype: str, seed: int) -> PackedLayer:
             arrays[name] = (rng.random(dims, dtype=np.float32) * 1e-3)
         elif tdtype == torch.bfloat16 and name.endswith("scales"):  # random bits would include subnormals
             arrays[name] = torch.full(dims, 1e-3, dtype=tdtype).view(torch.uint16).numpy()
+        elif name.endswith(".scales") and spec.scale_dtype in SCALE_BITS:
+            arrays[name] = rng.integers(*SCALE_BITS[spec.scale_dtype], size=dims, dtype=np.uint8)
         else:
             array = memory.empty_tensor(dims, tdtype).numpy()
             flat = array.reshape(-1).view(np.uint8)
@@ -129,7 +135,9 @@ def random_layer(shape: str, dtype: str, seed: int) -> PackedLayer:
                 flat[start:start + block.size] = block[:flat.size - start]
             arrays[name] = array
     part = PartitionWeights(0, inter, arrays["gate.weight"], arrays["up.weight"], arrays["down.weight"],
-                            arrays.get("gate.scales"), arrays.get("up.scales"), arrays.get("down.scales"))
+                            arrays.get("gate.scales"), arrays.get("up.scales"), arrays.get("down.scales"),
+                            arrays.get("gate.tensor_scale"), arrays.get("up.tensor_scale"),
+                            arrays.get("down.tensor_scale"))
     return PackedLayer(spec, [part])
 
 
@@ -186,7 +194,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="hybrid-bench cpu-moe", description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
     parser.add_argument("--dtype", default="int8",
-                        help="comma-separated: int8,int4,int4-g32 (group 32, bf16 scales),fp8")
+                        help="comma-separated: int8,int4,int4-g32 (group 32, bf16 scales),fp8,mxfp4,nvfp4")
     parser.add_argument("--tokens", default="1,4,32,512,2048", help="comma-separated token counts")
     parser.add_argument("--paths", default="kernel", help="comma-separated: kernel (as it runs), matmul")
     parser.add_argument("--layers", type=int, default=0, help="layers to rotate over (default: 8x the LLC)")

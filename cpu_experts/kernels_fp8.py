@@ -251,3 +251,10 @@ def down_row_fp8(h, experts, offsets, pair_token, pair_weight, down, down_s, a, 
         e = experts[u]
         for p in range(offsets[u], offsets[u + 1]):
             out[pair_token[p], h] += pair_weight[p] * dot_fp8(down[e, h], down_s[e, h], a[p, :rows], group_i)
+
+
+def decode_partition_fp8(x, routing, part, spec, out) -> None:
+    """out += one partition's experts on x float32 [T, H] (rounded to bf16), for `routing` (`operator.Routing`)."""
+    r = routing
+    decode_fp8(x, r.experts, r.offsets, r.pair_token, r.pair_weight, part.gate, part.gate_scales, part.up,
+               part.up_scales, part.down, part.down_scales, spec.group(spec.hidden_size), spec.group(part.size), out)

@@ -6,7 +6,8 @@ expert(x) = down(silu(gate x) * up x); an id of -1 is skipped (the expert runs e
 Per call, the (token, slot) pairs are grouped by expert (`route`), then each partition of I computes its partial
 output and the partials are summed. Two paths, chosen per call by token count:
 - decode (few tokens): the numba kernels stream each routed expert's quantized rows once, dequantizing in
-  registers (`cpu_experts.kernels`; the float formats' in `FLOAT_DECODE`, e.g. `cpu_experts.kernels_fp8`);
+  registers (`cpu_experts.kernels`; the float formats', on bf16 activations, in `FLOAT_DECODE`:
+  `cpu_experts.kernels_fp8`, `kernels_fp4`);
 - prefill (many tokens, `prefill_min_tokens` or more, and bf16 experts at any count): matmuls grouped by expert.
   Per-channel int8 experts multiply int8 x int8: our AMX grouped GEMM where the CPU has AMX
   (`cpu_experts.prefill_amx`), else oneDNN per expert (`cpu_experts.prefill_int8`). Other experts are each
@@ -23,21 +24,31 @@ import numpy as np
 import torch
 from numba import njit
 
-from cpu_experts import kernels, kernels_fp8, kernels_vnni, kernels_vnni_int4, prefill_amx, prefill_amx_grouped
+from cpu_experts import (
+    kernels,
+    kernels_fp4,
+    kernels_fp8,
+    kernels_vnni,
+    kernels_vnni_int4,
+    prefill_amx,
+    prefill_amx_grouped,
+)
 from cpu_experts.packed import PackedLayer
 from cpu_experts.prefill import DequantPrefill, Workspace
 from cpu_experts.prefill_int8 import Int8Prefill
 
 # Token counts from which the prefill path runs, per expert dtype, where the two paths measured even on the
 # 16-core Xeon (docs/benchmarks.md); int4 prefill dequantizes every routed expert, so its decode kernels win longer.
-# fp8 prefill dequantizes every routed expert to float32 too; on the 2-core AVX-512 EPYC the paths measured even at
-# ~700 tokens on qwen3-30b-a3b (512: decode 383 ms, prefill 472 ms) and ~160 on `hybrid-bench cpu-moe`'s "small".
-PREFILL_MIN_TOKENS = {"int8": 64, "int4": 512, "bf16": 0, "fp8": 512}
+# The float formats' prefill dequantizes every routed expert to float32: on the 2-core AVX-512 development machine
+# the paths measured even at ~700 tokens on qwen3-30b-a3b (fp8 at 512: decode 383 ms, prefill 472 ms) and ~160-200
+# on `hybrid-bench cpu-moe`'s "small".
+PREFILL_MIN_TOKENS = {"int8": 64, "int4": 512, "bf16": 0, "fp8": 512, "mxfp4": 512, "nvfp4": 512}
 # On AMX (`cpu_experts.prefill_amx`, `prefill_amx_grouped`): from here the grouped GEMM beats the decode kernels.
 AMX_PREFILL_MIN_TOKENS = {"int8": 8, "int4": 32}
-# The float formats' decode kernels (one partition per call, bf16-rounded activations; `kernels_fp8.decode_fp8`'s
-# arguments), by expert dtype.
-FLOAT_DECODE = {"fp8": kernels_fp8.decode_fp8}
+# The float formats' decode kernels (bf16 activations, never W8A8), one partition a call: (x, routing, part, spec,
+# out), x already rounded to bf16.
+FLOAT_DECODE = {"fp8": kernels_fp8.decode_partition_fp8, "mxfp4": kernels_fp4.decode_partition_mxfp4,
+                "nvfp4": kernels_fp4.decode_partition_nvfp4}
 
 
 @dataclass(frozen=True)
@@ -95,7 +106,8 @@ class CpuMoE:
     """`int8_activations` (int8 and int4 experts): every matmul input row is rounded to int8 with its own absmax
     scale (W8A8), on both paths, so a token gets the same result whether it is decoded or prefilled; per-channel
     int8 experts then prefill as int8 x int8 (`cpu_experts.prefill_int8`). False keeps activations in float, exact to
-    the converted weights, prefill slower. `workspace`: scratch buffers, shareable by all layers of a model."""
+    the converted weights, prefill slower. MXFP4 and NVFP4 experts ignore it: their inputs are rounded to bf16 (the
+    formats' contract, `cpu_experts.kernels_fp4`). `workspace`: scratch buffers, shareable by all layers of a model."""
 
     def __init__(self, layer: PackedLayer, prefill_min_tokens: int | None = None,
                  int8_activations: bool = True, workspace: Workspace | None = None):
@@ -116,10 +128,8 @@ class CpuMoE:
         self._check(hidden, topk_ids, topk_weights)
         routing = route(topk_ids.cpu().numpy(), topk_weights.detach().float().cpu().numpy(), self.spec.num_experts)
         if self.spec.dtype != "bf16" and hidden.shape[0] < self.prefill_min_tokens:
-            if self.spec.dtype in FLOAT_DECODE:
-                decode = self._decode_float
-            else:
-                decode = self._decode_vnni if self.is_vnni else self._decode
+            decode = self._decode_float if self.spec.dtype in FLOAT_DECODE else \
+                self._decode_vnni if self.is_vnni else self._decode
             return torch.from_numpy(decode(_float32(hidden), routing)).to(hidden.dtype)
         if self.integer_prefill is not None:
             return torch.from_numpy(self.integer_prefill(_float32(hidden), routing)).to(hidden.dtype)
@@ -177,15 +187,13 @@ class CpuMoE:
         return out
 
     def _decode_float(self, x: np.ndarray, routing: Routing) -> np.ndarray:
-        """The float formats' streaming kernels on bf16-rounded activations; x float32 [T, H] -> [T, H]."""
+        """The float formats' decode kernels (`FLOAT_DECODE`), partition by partition, on x rounded to bf16 once;
+        x float32 [T, H] -> [T, H]."""
         out = np.zeros_like(x)
         x = torch.from_numpy(x).bfloat16().float().numpy()
-        r = routing
         decode = FLOAT_DECODE[self.spec.dtype]
-        group_h = self.spec.group(self.spec.hidden_size)
         for part in self.layer.partitions:
-            decode(x, r.experts, r.offsets, r.pair_token, r.pair_weight, part.gate, part.gate_scales, part.up,
-                   part.up_scales, part.down, part.down_scales, group_h, self.spec.group(part.size), out)
+            decode(x, routing, part, self.spec, out)
         return out
 
 

@@ -1,12 +1,13 @@
 """Prefill path of the CPU MoE operator: many tokens, so the work is matrix multiplication, not streaming.
 
 Per-channel int8 experts with int8 activations (W8A8) take `cpu_experts.prefill_amx` (AMX) or `prefill_int8`.
-The rest (int4, grouped int8, bf16, fp8, or int8 with float activations) takes `DequantPrefill` here: each routed
-expert is dequantized once per call to the activations' dtype by numba kernels (bf16 uses AMX-BF16 where
-present), then multiplied in PyTorch; FP8 experts in float32 on bf16-rounded activations, the decode kernels'
-contract (`cpu_experts.kernels_fp8`: an e4m3 value times a float32 scale has more bits than bf16 holds). The
-call's (token, slot) pairs, grouped by expert (`operator.Routing`), are rows of work buffers in that order: expert
-u's pairs are rows `offsets[u]:offsets[u + 1]`. Per partition of I:
+The rest (int4, grouped int8, bf16, FP8, MXFP4, NVFP4, or int8 with float activations) takes `DequantPrefill`
+here: each routed expert is dequantized once per call to the activations' dtype by numba kernels (bf16 uses
+AMX-BF16 where present), then multiplied in PyTorch. The float formats keep their decode kernels' contract
+(`cpu_experts.kernels_fp8`, `kernels_fp4`): float32 weights and matmuls on activations rounded to bf16 (an e4m3
+value times a float32 scale has more bits than bf16 holds). The call's (token, slot) pairs, grouped by expert
+(`operator.Routing`), are rows of work buffers in that order: expert u's pairs are rows
+`offsets[u]:offsets[u + 1]`. Per partition of I:
 
 1. per expert: gate = x_rows @ gate[e].T and up = x_rows @ up[e].T  ([rows_e, H] @ [H, Ip])
 2. for all pairs at once: act = silu(gate) * up                      ([R, Ip])
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from numba import njit, prange
 
-from cpu_experts import memory
+from cpu_experts import kernels_fp4, memory
 from cpu_experts.kernels import round_rows_int8, scale_value
 from cpu_experts.kernels_fp8 import FLOAT16_BIAS, e4m3_over_256
 from cpu_experts.packed import PackedLayer, PartitionWeights
@@ -97,8 +98,8 @@ class Workspace:
 class DequantPrefill:
     """Each routed expert dequantized once per call, then PyTorch matmuls in the activations' dtype.
     `round_activations`: the matmul inputs are rounded to their per-row int8 grid first (the W8A8 semantics of
-    quantized experts, kept in float here). `bf16_activations` (the float formats): rounded to bfloat16 instead,
-    and everything computed in float32 whatever the activations' dtype."""
+    quantized experts, kept in float here). `bf16_activations`: rounded to bf16 instead, the matmuls in float32
+    whatever the activations' dtype (the float formats' contract)."""
 
     def __init__(self, layer: PackedLayer, workspace: Workspace, round_activations: bool = False,
                  bf16_activations: bool = False):
@@ -134,7 +135,7 @@ class DequantPrefill:
 
     def _rounded(self, rows: torch.Tensor) -> torch.Tensor:
         if self.bf16_activations:
-            return rows.bfloat16().to(rows.dtype)
+            return rows.to(torch.bfloat16).float()
         if not self.round_activations:
             return rows
         rounded = rows.float().contiguous()
@@ -150,7 +151,11 @@ class DequantPrefill:
         cols = self.spec.hidden_size if role != "down" else part.size
         out = self.ws.array("weight", (weight.shape[0], cols), np.float32)
         group = self.spec.group_size or (self.spec.hidden_size if role != "down" else part.size)
-        if self.spec.dtype == "int4":
+        if self.spec.dtype in ("mxfp4", "nvfp4"):
+            tensor_scale = getattr(part, f"{role}_tensor_scale")
+            kernels_fp4.dequantize_fp4(weight, scales, self.spec.dtype == "mxfp4",
+                                       np.float32(1.0 if tensor_scale is None else tensor_scale[expert]), out)
+        elif self.spec.dtype == "int4":
             dequantize_int4(weight, scales, group, out)
         elif self.spec.dtype == "fp8":
             dequantize_fp8(weight, scales, group, out)
