@@ -116,7 +116,7 @@ def _timed(fn) -> float:
 
 def random_layer(shape: str, dtype: str, seed: int) -> PackedLayer:
     num_experts, hidden, inter, _ = SHAPES[shape]
-    base, scale_dtype = VARIANTS.get(dtype, (dtype, ALLOWED_SCALES[dtype][0]))
+    base, scale_dtype = VARIANTS[dtype] if dtype in VARIANTS else (dtype, ALLOWED_SCALES[dtype][0])
     spec = ExpertLayerSpec(num_experts, hidden, inter, base, GROUPS[dtype], scale_dtype)
     rng = np.random.default_rng(seed)
     block = rng.integers(0, 256, size=1 << 24, dtype=np.uint8)  # tiled: generating gigabytes would dominate

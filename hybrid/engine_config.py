@@ -42,9 +42,10 @@ class EngineConfig:
     expert_placement: str = field(default="auto", metadata=_help(
         "a plain checkpoint's routed experts: on the CPU operator, no hybrid-convert needed ('cpu'), or on the "
         "engine's device ('device'); auto: cpu on CUDA, device elsewhere", EXPERT_PLACEMENTS))
-    expert_dtype: str = field(default="int8", metadata=_help(
-        "CPU experts read from a plain checkpoint: the format they are quantized to at load; auto keeps the "
-        "checkpoint's own quantized experts as stored (FP8, MXFP4, NVFP4, compressed-tensors INT4), int8 otherwise",
+    expert_dtype: str = field(default="auto", metadata=_help(
+        "CPU experts read from a plain checkpoint: auto keeps the checkpoint's own quantized experts as stored "
+        "(FP8, MXFP4, NVFP4, compressed-tensors INT4) and quantizes float ones to int8; another value quantizes "
+        "every checkpoint's experts to it at load (a second rounding for a quantized one)",
         ("auto", *EXPERT_DTYPES)))
     # "auto" runs gpu_layers' Triton kernels on CUDA and the PyTorch references elsewhere
     kernels: str = field(default="auto", metadata=_help("dense layers and attention", KERNELS))
@@ -54,7 +55,7 @@ class EngineConfig:
     # compiled code (int8 experts, W8A8 on the integer kernels); off, or for other formats, the executor's thread
     # serves them through Python
     cpu_decode_pool: bool = field(default=True, metadata=_help(
-        "serve CUDA-graph decode steps' CPU experts from a pool of pinned spinning threads (int8 experts)"))
+        "serve CUDA-graph decode steps' CPU experts from a pool of pinned spinning threads (int8 and int4 experts)"))
     enable_prefix_caching: bool = field(default=True, metadata=_help(
         "reuse the KV pages of earlier requests' identical prefixes (keyed by BLAKE2b digests of the tokens)"))
     max_graph_batch: int = field(default=32, metadata=_help(
