@@ -75,7 +75,7 @@ def converted(src, tmp_path, *args: str):
 
 def test_placement_switch(qwen):
     """auto: the CPU operator on CUDA (the product), the engine's device elsewhere; cpu and device as asked."""
-    assert EngineConfig().expert_placement == "auto" and EngineConfig().expert_dtype == "int8"
+    assert EngineConfig().expert_placement == "auto" and EngineConfig().expert_dtype == "auto"
     assert EngineConfig(device="cuda").is_cpu_placement and not EngineConfig(device="cpu").is_cpu_placement
     assert EngineConfig(expert_placement="cpu").is_cpu_placement
     assert not EngineConfig(device="cuda", expert_placement="device").is_cpu_placement
@@ -120,11 +120,11 @@ def test_int4_at_load_equals_the_conversion(qwen, tmp_path):
 
 
 def test_fp8_source_requantized_to_int8_equals_the_conversion(fp8, tmp_path, caplog):  # noqa: F811
-    """DeepSeek FP8 blocks with the default expert_dtype: int8 from the dequantized experts, as the converter's
+    """DeepSeek FP8 blocks with expert_dtype int8: int8 from the dequantized experts, as the converter's
     `--expert-dtype int8` writes them, and the log says it is a second rounding."""
     dst = converted(fp8["path"], tmp_path, "--expert-dtype", "int8")
     with caplog.at_level("INFO", logger="hybrid.direct_experts"):
-        direct = logits(fp8["path"], expert_placement="cpu")
+        direct = logits(fp8["path"], expert_placement="cpu", expert_dtype="int8")
     assert "the source's FP8 (group 128) re-quantized to int8 from its dequantized weights, a second rounding; " \
            "expert_dtype='auto' (--expert-dtype auto) copies it as stored" in caplog.text
     for got, want in zip(direct, logits(dst), strict=True):
@@ -204,7 +204,10 @@ def test_deepseek_fp8_served_as_stored(fp8, tmp_path):  # noqa: F811
     shutil.copy(fp8["plain"] / "config.json", ref_dir / "config.json")
     ref = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32, attn_implementation="eager")
     ref = round_expert_inputs(ref.eval())
-    direct = logits(fp8["path"], expert_placement="cpu", expert_dtype="auto")
+    llm = LLM(fp8["path"], dtype="float32", expert_placement="cpu")  # the default expert_dtype keeps FP8 as stored
+    assert {m.op.spec.dtype for m in llm.model.modules() if isinstance(m, CpuExperts)} == {"fp8"}
+    llm.close()
+    direct = logits(fp8["path"], expert_placement="cpu")
     for ids, got in zip(PROMPTS, direct, strict=True):
         assert_close(got, hf_logits(ref, ids), "DeepSeek FP8 experts as stored", FLOAT_FORMAT_TOL)
     for got, want in zip(direct, logits(converted(fp8["path"], tmp_path)), strict=True):
