@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import time
 from contextlib import asynccontextmanager
 from dataclasses import replace
@@ -48,19 +49,37 @@ TOKENIZER_FILES_HINT = ("the server needs the checkpoint's tokenizer files (toke
                         "or --skip-tokenizer-init to serve token-id prompts only")
 
 
-def load_tokenizer(model_dir: str | Path):
+def load_tokenizer(model_dir: str | Path, trust_remote_code: bool = False):
     """The model directory's tokenizer (and chat template), from local files only, checked against the model's
-    vocabulary (`check_tokenizer_size`)."""
+    vocabulary (`check_tokenizer_size`). `trust_remote_code`: a tokenizer class defined by code in the directory
+    (`auto_map`) may be loaded, which runs that code."""
     from transformers import AutoTokenizer
 
+    code = _tokenizer_code(model_dir)
+    if code and not trust_remote_code:
+        raise ConfigError(f"{model_dir}: its tokenizer is Python code shipped with the checkpoint ({code}, "
+                          "tokenizer_config.json auto_map); pass --trust-remote-code to load it (this runs that code)")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-    except (OSError, ValueError) as exc:
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True,
+                                                  trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, ImportError) as exc:
         raise ConfigError(f"{model_dir}: cannot load its tokenizer ({exc}); {TOKENIZER_FILES_HINT}") from None
     vocab_size = read_config_json(model_dir).get("vocab_size") if (Path(model_dir) / "config.json").is_file() else None
     if isinstance(vocab_size, int):
         check_tokenizer_size(len(tokenizer), vocab_size, model_dir)
     return tokenizer
+
+
+def _tokenizer_code(model_dir: str | Path) -> str | None:
+    """The code module tokenizer_config.json's auto_map names for AutoTokenizer (e.g. Kimi-K2's
+    'tokenization_kimi.TikTokenTokenizer'), or None."""
+    path = Path(model_dir) / "tokenizer_config.json"
+    try:
+        entry = json.loads(path.read_text()).get("auto_map", {}).get("AutoTokenizer")
+    except (OSError, ValueError, AttributeError):
+        return None  # unreadable or odd: transformers' own load reports it
+    names = [name for name in (entry if isinstance(entry, list) else [entry]) if isinstance(name, str)]
+    return names[0] if names else None
 
 
 def check_tokenizer_size(num_tokens: int, vocab_size: int, model_dir: str | Path) -> None:
@@ -96,7 +115,7 @@ def tags_are_special(tokenizer, vocab: dict[str, int], tags: tuple[str, ...]) ->
 def build_app(config: ServerConfig, engine_loop: EngineLoop) -> FastAPI:
     if config.model is None:
         raise ConfigError("build_app needs config.model, the directory of the model the engine runs")
-    tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.model)
+    tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.model, config.trust_remote_code)
     model = served_model(config, tokenizer, engine_loop.max_model_len)
     if tokenizer is not None:
         # Requests are tokenized in worker threads, concurrently: the first encode may reset the tokenizer's

@@ -77,7 +77,7 @@ def serve(config: ServerConfig, engine_config: EngineConfig) -> int:
         tokenizer = None
         if not config.skip_tokenizer_init:
             with timed("loading the tokenizer"):
-                tokenizer = load_tokenizer(config.model)
+                tokenizer = load_tokenizer(config.model, config.trust_remote_code)
         with timed(f"loading the model from {config.model} (weights, KV cache)"):
             llm = LLM(config.model, config=engine_config)
         engine = _start_engine(config, llm)

@@ -49,6 +49,11 @@ class ServerConfig:
     skip_tokenizer_init: bool = field(default=False, metadata={
         "help": "start without the tokenizer: /v1/completions takes token-id prompts only and returns token ids "
                 "(empty text); chat and text prompts are refused"})
+    # as vLLM's flag: checkpoints whose tokenizer is code shipped beside the weights (Kimi-K2's tiktoken tokenizer,
+    # `tokenizer_config.json` auto_map) load only with it, since loading runs that file
+    trust_remote_code: bool = field(default=False, metadata={
+        "help": "load a tokenizer defined by Python code in the model directory (tokenizer_config.json auto_map, "
+                "e.g. Kimi-K2); loading runs that code"})
     stats_log_interval: float = field(default=10.0, metadata={
         "help": "seconds between the throughput / KV-cache usage log lines while requests run (0: off)"})
 

@@ -5,6 +5,7 @@ directories, the warm-up request, the load progress bars and the engine's throug
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -405,3 +406,27 @@ def test_weight_loading_shows_progress_on_a_terminal(model_dir, monkeypatch):
     LLM(model_dir, device="cpu", dtype="float32", max_model_len=64).close()
     assert "loading weights" in terminal.text and "loading CPU experts" in terminal.text
     assert f"{TINY.num_layers}/{TINY.num_layers}" in terminal.text  # per layer
+
+
+def test_tokenizer_shipped_as_code_needs_trust_remote_code(model_dir, tmp_path, capsys, monkeypatch):
+    """A checkpoint whose tokenizer is a class in its own Python file (Kimi-K2's tiktoken tokenizer, by
+    tokenizer_config.json auto_map) is refused with the flag to pass, and loads with --trust-remote-code."""
+    from server.app import load_tokenizer
+
+    target = tmp_path / "model"
+    shutil.copytree(model_dir, target)
+    (target / "tokenization_custom.py").write_text(
+        "from transformers import PreTrainedTokenizerFast\n\n\n"
+        "class CustomTokenizer(PreTrainedTokenizerFast):\n    is_custom = True\n")
+    config_path = target / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config.update(tokenizer_class="CustomTokenizer",
+                  auto_map={"AutoTokenizer": [None, "tokenization_custom.CustomTokenizer"]})
+    config_path.write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="--trust-remote-code") as refused:
+        load_tokenizer(target)
+    assert "tokenization_custom.CustomTokenizer" in str(refused.value)
+    assert getattr(load_tokenizer(target, trust_remote_code=True), "is_custom", False)
+    monkeypatch.setattr("hybrid.llm.LLM", lambda *a, **k: pytest.fail("loaded the model after a tokenizer error"))
+    assert main(["--model", str(target), "--port", "0", "--dtype", "float32"]) == 1
+    assert "--trust-remote-code" in capsys.readouterr().err
