@@ -117,5 +117,12 @@ float32_pointer = _pointer_intrinsic(types.float32, ir.FloatType(), "A float32* 
 int64_pointer = _pointer_intrinsic(types.int64, ir.IntType(64), "An int64* from an address.")
 
 uint8_pointer = _pointer_intrinsic(types.uint8, ir.IntType(8), "A uint8* from an address.")
-uint16_pointer = _pointer_intrinsic(types.uint16, ir.IntType(16), "A uint16* (bfloat16 bits) from an address.")
 int32_pointer = _pointer_intrinsic(types.int32, ir.IntType(32), "An int32* from an address.")
+
+
+@intrinsic
+def pointer_like(typingctx, address, like):
+    """A pointer to `like`'s element type (an array) from an address: one function for arrays of either dtype."""
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(like.dtype).as_pointer())
+    return types.CPointer(like.dtype)(types.int64, like), codegen

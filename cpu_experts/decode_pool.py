@@ -45,9 +45,9 @@ from cpu_experts.atomics import (
     int32_pointer,
     int64_pointer,
     load_acquire64,
+    pointer_like,
     store_release64,
     uint8_pointer,
-    uint16_pointer,
 )
 from cpu_experts.decode_pool_sync import (
     _LINE,
@@ -136,23 +136,16 @@ def _int4_dims(slots, s):
 
 
 @njit(nogil=True, cache=True)
-def _int4_arrays(slots, s):
-    """Slot s's packed int4 gate, gate_s, up, up_s, down, down_s (float32 scales) as unowned arrays."""
+def _int4_arrays(slots, s, scale_like):
+    """Slot s's packed int4 gate, gate_s, up, up_s, down, down_s as unowned arrays, the scales of `scale_like`'s
+    dtype (float32, or bfloat16 as uint16 bits)."""
     gate_dims, gate_s_dims, down_dims, down_s_dims = _int4_dims(slots, s)
-    return (carray(uint8_pointer(slots[s, GATE]), gate_dims), carray(float32_pointer(slots[s, GATE_S]), gate_s_dims),
-            carray(uint8_pointer(slots[s, UP]), gate_dims), carray(float32_pointer(slots[s, UP_S]), gate_s_dims),
+    return (carray(uint8_pointer(slots[s, GATE]), gate_dims),
+            carray(pointer_like(slots[s, GATE_S], scale_like), gate_s_dims),
+            carray(uint8_pointer(slots[s, UP]), gate_dims),
+            carray(pointer_like(slots[s, UP_S], scale_like), gate_s_dims),
             carray(uint8_pointer(slots[s, DOWN]), down_dims),
-            carray(float32_pointer(slots[s, DOWN_S]), down_s_dims))
-
-
-@njit(nogil=True, cache=True)
-def _int4_arrays_bf16(slots, s):
-    """`_int4_arrays` with bfloat16 scales (their uint16 bits)."""
-    gate_dims, gate_s_dims, down_dims, down_s_dims = _int4_dims(slots, s)
-    return (carray(uint8_pointer(slots[s, GATE]), gate_dims), carray(uint16_pointer(slots[s, GATE_S]), gate_s_dims),
-            carray(uint8_pointer(slots[s, UP]), gate_dims), carray(uint16_pointer(slots[s, UP_S]), gate_s_dims),
-            carray(uint8_pointer(slots[s, DOWN]), down_dims),
-            carray(uint16_pointer(slots[s, DOWN_S]), down_s_dims))
+            carray(pointer_like(slots[s, DOWN_S], scale_like), down_s_dims))
 
 
 @njit(nogil=True, cache=True, fastmath=True)
@@ -193,11 +186,11 @@ def _layer_int4(tid, num_threads, ctl, kind, first, count, slots, routing, num_t
     _barrier(ctl, num_threads)
     for s in range(first, first + count):
         if kind == INT4_BF16:
-            _partition_int4(tid, num_threads, ctl, slots, s, routing, num_tokens, *_int4_arrays_bf16(slots, s), x4,
-                            act, a4, out)
+            arrays = _int4_arrays(slots, s, np.empty(0, np.uint16))
+            _partition_int4(tid, num_threads, ctl, slots, s, routing, num_tokens, *arrays, x4, act, a4, out)
         else:
-            _partition_int4(tid, num_threads, ctl, slots, s, routing, num_tokens, *_int4_arrays(slots, s), x4, act,
-                            a4, out)
+            arrays = _int4_arrays(slots, s, np.empty(0, np.float32))
+            _partition_int4(tid, num_threads, ctl, slots, s, routing, num_tokens, *arrays, x4, act, a4, out)
 
 
 @njit(nogil=True, cache=True, fastmath=True)

@@ -15,7 +15,9 @@ import httpx
 import uvicorn
 
 from hybrid.engine import EngineStats, StepOutput
+from server import startup
 from server.app import GracefulServer, build_app, load_tokenizer
+from server.cli import main as serve_main
 from server.config import ServerConfig
 from server.demo import DemoSize, demo_model
 from server.engine_loop import EngineLoop
@@ -143,3 +145,31 @@ class ScriptedEngine:
     def stats(self) -> EngineStats:
         live = len(self._live())
         return EngineStats(live, 0, self.num_blocks, self.num_blocks - live)
+
+
+def serve_in_process(monkeypatch, argv: list[str], check) -> int:
+    """`main(argv)`, with uvicorn serving its app on its socket in a thread while `check(app, url)` runs;
+    whatever `check` raises is raised here."""
+    failures = []
+
+    def run(app, sock, log_level, graceful_shutdown_seconds, ready_message):
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 60
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.02)
+        try:
+            check(app, startup.url_of(sock).removesuffix("/v1"))
+        except BaseException as exc:
+            failures.append(exc)
+        finally:
+            server.should_exit = True
+            thread.join(timeout=60)
+
+    monkeypatch.setattr(startup, "run_uvicorn", run)
+    code = serve_main(argv)
+    if failures:
+        raise failures[0]
+    return code

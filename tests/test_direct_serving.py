@@ -234,19 +234,13 @@ def test_threads_do_not_change_the_layer(qwen):
 def test_hybrid_serve_serves_a_checkpoint_directly(tmp_path, monkeypatch):
     """`hybrid-serve --model HF_DIR --expert-placement cpu`: the experts are read onto the CPU operator (no converted
     directory anywhere) and the official client gets what `LLM.generate` gives on the same placement."""
-    import threading
-    import time
 
     import openai
-    import uvicorn
-    from server_support import TINY
+    from server_support import TINY, serve_in_process
 
     import hybrid.direct_experts
-    import server.startup
     from server.app import load_tokenizer
-    from server.cli import main as serve_main
     from server.demo import build_checkpoint
-    from server.startup import url_of
 
     model_dir = build_checkpoint(tmp_path / "hf", TINY)
     assert not (model_dir / "hybrid.json").exists()
@@ -258,27 +252,15 @@ def test_hybrid_serve_serves_a_checkpoint_directly(tmp_path, monkeypatch):
                         lambda *a, **k: loads.append(original(*a, **k)) or loads[-1])
     texts = []
 
-    def run(app, sock, log_level, graceful_shutdown_seconds, ready_message):
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 60
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.02)
-        try:
-            client = openai.OpenAI(base_url=url_of(sock), api_key="none", max_retries=0, timeout=120)
-            response = client.completions.create(model="hf", prompt=ids, max_tokens=8, temperature=0,
-                                                 extra_body={"ignore_eos": True})
-            texts.append(response.choices[0].text)
-        finally:
-            server.should_exit = True
-            thread.join(timeout=60)
+    def check(app, url):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+        response = client.completions.create(model="hf", prompt=ids, max_tokens=8, temperature=0,
+                                             extra_body={"ignore_eos": True})
+        texts.append(response.choices[0].text)
 
-    monkeypatch.setattr(server.startup, "run_uvicorn", run)
     argv = ["--model", str(model_dir), "--port", "0", "--dtype", "float32", "--context-length", "128",
             "--expert-placement", "cpu", "--served-model-name", "hf"]
-    assert serve_main(argv) == 0
+    assert serve_in_process(monkeypatch, argv, check) == 0
     assert [fmt.dtype for fmt in loads] == ["int8"]
     assert texts == [load_tokenizer(model_dir).decode(want)]
 

@@ -13,7 +13,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from contextlib import contextmanager
 from dataclasses import replace
@@ -22,8 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-import uvicorn
-from server_support import TINY, ScriptedEngine, tiny_model
+from server_support import TINY, ScriptedEngine, serve_in_process, tiny_model
 
 import server.startup
 from hybrid import loader
@@ -36,7 +34,6 @@ from server import demo
 from server.app import check_tokenizer_size
 from server.cli import main
 from server.engine_loop import EngineLoop, GenerateJob, Output, StatsLogger
-from server.startup import url_of
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -67,34 +64,6 @@ def one_line_error(capsys) -> str:
     assert lines and lines[-1].startswith("hybrid-serve: error: "), err
     assert "Traceback" not in err, err
     return lines[-1]
-
-
-def serve_in_process(monkeypatch, argv: list[str], check) -> int:
-    """`main(argv)`, with uvicorn serving its app on its socket in a thread while `check(app, url)` runs;
-    whatever `check` raises is raised here."""
-    failures = []
-
-    def run(app, sock, log_level, graceful_shutdown_seconds, ready_message):
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 60
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.02)
-        try:
-            check(app, url_of(sock).removesuffix("/v1"))
-        except BaseException as exc:
-            failures.append(exc)
-        finally:
-            server.should_exit = True
-            thread.join(timeout=60)
-
-    monkeypatch.setattr(server.startup, "run_uvicorn", run)
-    code = main(argv)
-    if failures:
-        raise failures[0]
-    return code
 
 
 # --- 1. the tokenizer ---------------------------------------------------------------------------------------------
