@@ -10,8 +10,9 @@ output and the partials are summed. Two paths, chosen per call by token count:
   `cpu_experts.kernels_fp8`, `kernels_fp4`);
 - prefill (many tokens, `prefill_min_tokens` or more, and bf16 experts at any count): matmuls grouped by expert.
   Per-channel int8 experts multiply int8 x int8: our AMX grouped GEMM where the CPU has AMX
-  (`cpu_experts.prefill_amx`), else oneDNN per expert (`cpu_experts.prefill_int8`). Other experts are each
-  dequantized once per call and multiplied by PyTorch (`cpu_experts.prefill`).
+  (`cpu_experts.prefill_amx`), else oneDNN per expert (`cpu_experts.prefill_int8`). The float formats multiply bf16
+  x bf16 on AMX-BF16 (`cpu_experts.prefill_amx_float`). Other experts are each dequantized once per call and
+  multiplied by PyTorch (`cpu_experts.prefill`).
 The float formats (FP8) compute on bfloat16 activations whatever `int8_activations` says: each matmul's input is
 rounded to bf16 on both paths, products and sums in float32 (the format's published contract).
 """
@@ -31,6 +32,7 @@ from cpu_experts import (
     kernels_vnni,
     kernels_vnni_int4,
     prefill_amx,
+    prefill_amx_float,
     prefill_amx_grouped,
 )
 from cpu_experts.packed import PackedLayer
@@ -44,7 +46,8 @@ from cpu_experts.prefill_int8 import Int8Prefill
 # on `hybrid-bench cpu-moe`'s "small".
 PREFILL_MIN_TOKENS = {"int8": 64, "int4": 512, "bf16": 0, "fp8": 512, "mxfp4": 512, "nvfp4": 512}
 # On AMX (`cpu_experts.prefill_amx`, `prefill_amx_grouped`): from here the grouped GEMM beats the decode kernels.
-AMX_PREFILL_MIN_TOKENS = {"int8": 8, "int4": 32}
+# The float formats' (`prefill_amx_float`, AMX-BF16): a first guess, not yet measured on the Xeon (issue 19).
+AMX_PREFILL_MIN_TOKENS = {"int8": 8, "int4": 32, "fp8": 32, "mxfp4": 32, "nvfp4": 32}
 # The float formats' decode kernels (bf16 activations, never W8A8), one partition a call: (x, routing, part, spec,
 # out), x already rounded to bf16.
 FLOAT_DECODE = {"fp8": kernels_fp8.decode_partition_fp8, "mxfp4": kernels_fp4.decode_partition_mxfp4,
@@ -116,8 +119,10 @@ class CpuMoE:
         self.is_w8a8 = self.spec.dtype not in ("bf16", *FLOAT_DECODE) and int8_activations
         workspace = workspace or Workspace()
         self.integer_prefill = _integer_prefill(layer, workspace) if self.is_w8a8 else None
+        self.float_prefill = _float_prefill(layer, workspace) if self.spec.dtype in FLOAT_DECODE else None
         if prefill_min_tokens is None:
-            is_amx = isinstance(self.integer_prefill, (prefill_amx.AmxPrefill, prefill_amx_grouped.GroupedAmxPrefill))
+            is_amx = self.float_prefill is not None or isinstance(
+                self.integer_prefill, (prefill_amx.AmxPrefill, prefill_amx_grouped.GroupedAmxPrefill))
             prefill_min_tokens = (AMX_PREFILL_MIN_TOKENS if is_amx else PREFILL_MIN_TOKENS)[self.spec.dtype]
         self.prefill_min_tokens = prefill_min_tokens
         self.dequant_prefill = DequantPrefill(layer, workspace, round_activations=self.is_w8a8,
@@ -133,6 +138,8 @@ class CpuMoE:
             return torch.from_numpy(decode(_float32(hidden), routing)).to(hidden.dtype)
         if self.integer_prefill is not None:
             return torch.from_numpy(self.integer_prefill(_float32(hidden), routing)).to(hidden.dtype)
+        if self.float_prefill is not None:
+            return torch.from_numpy(self.float_prefill(_float32(hidden), routing)).to(hidden.dtype)
         dtype = hidden.dtype if hidden.dtype in (torch.bfloat16, torch.float32) else torch.float32
         return self.dequant_prefill(hidden.detach().to(dtype), routing).to(hidden.dtype)
 
@@ -206,6 +213,14 @@ def _integer_prefill(layer: PackedLayer, workspace: Workspace):
         return prefill_amx_grouped.GroupedAmxPrefill(layer, workspace)
     if layer.spec.dtype == "int8" and layer.spec.group_size == 0:
         return Int8Prefill(layer, workspace)
+    return None
+
+
+def _float_prefill(layer: PackedLayer, workspace: Workspace):
+    """The AMX-BF16 prefill of a float-format layer (FP8, MXFP4, NVFP4) where the CPU has it and the layer's sizes
+    fit the tiles, or None (dequantize-and-multiply)."""
+    if prefill_amx_float.has_amx_bf16() and prefill_amx_float.is_supported(layer):
+        return prefill_amx_float.FloatAmxPrefill(layer, workspace)
     return None
 
 

@@ -49,11 +49,16 @@ A_PREFETCH_BYTES = 512
 _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA, _SYS_ARCH_PRCTL = 0x1023, 18, 158
 
 
-@functools.cache
-def has_amx() -> bool:
-    """AMX-INT8 in the CPU and LLVM, and the kernel's permission to use it (asked for here, once)."""
+def has_amx(kind: str = "int8") -> bool:
+    """AMX-INT8 (`kind` "bf16": AMX-BF16) in the CPU and LLVM, and the kernel's permission to use it."""
     features = llvm.get_host_cpu_features()
-    if not (features.get("amx-tile") and features.get("amx-int8")) or not sys.platform.startswith("linux"):
+    return bool(features.get("amx-tile") and features.get(f"amx-{kind}")) and _has_tile_permission()
+
+
+@functools.cache
+def _has_tile_permission() -> bool:
+    """Linux's permission for this process to use the AMX tile state (asked for here, once)."""
+    if not sys.platform.startswith("linux"):
         return False
     try:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -123,9 +128,9 @@ def _prefetch_rows(builder, p_a0, p_a1, lda, k_off):
             _call(builder, "llvm.prefetch.p0", [ptr, i32, i32, i32], [at, *hint])
 
 
-def _tiles_codegen(num_b: int, is_prefetch: bool = False, k_bytes: int = TILE_BYTES):
+def _tiles_codegen(num_b: int, is_prefetch: bool = False, k_bytes: int = TILE_BYTES, op: str = "tdpbssd"):
     """`k_bytes` per step along K: 64, or 32 under `tile_config(32)` (B's half step: its tile's first or last 8
-    rows, which the caller's b_off picks)."""
+    rows, which the caller's b_off picks); `op` the tile product (`tdpbf16ps`: `prefill_amx_float`)."""
     def codegen(context, builder, sig, args):
         (a0, a0_off, a1, a1_off, lda, b, b_off, b_step, num_k, c) = args
         ty = sig.args
@@ -146,8 +151,8 @@ def _tiles_codegen(num_b: int, is_prefetch: bool = False, k_bytes: int = TILE_BY
             for j in range(num_b):
                 b_tile = builder.gep(b_ptr, [ir.Constant(i64, j * TILE_ROWS * TILE_BYTES)])
                 _call(builder, "llvm.x86.tileloadd64", [i8, ptr, i64], [tile(6 + j), b_tile, stride])
-                _call(builder, "llvm.x86.tdpbssd", [i8, i8, i8], [tile(2 * j), tile(4), tile(6 + j)])
-                _call(builder, "llvm.x86.tdpbssd", [i8, i8, i8], [tile(2 * j + 1), tile(5), tile(6 + j)])
+                _call(builder, f"llvm.x86.{op}", [i8, i8, i8], [tile(2 * j), tile(4), tile(6 + j)])
+                _call(builder, f"llvm.x86.{op}", [i8, i8, i8], [tile(2 * j + 1), tile(5), tile(6 + j)])
         for t in range(2 * num_b):
             out = builder.gep(p_c, [ir.Constant(i64, t * TILE_ROWS * TILE_BYTES)])
             _call(builder, "llvm.x86.tilestored64", [i8, ptr, i64], [tile(t), out, stride])
