@@ -1,10 +1,10 @@
 """FP8 (e4m3fn) decode kernels of the CPU MoE operator, for one partition (a slice of I) of one layer.
 
 The work split is `cpu_experts.kernels_vnni_int4`'s: gate/up parallel over ranges of (routed expert, row) items,
-down over ranges of output columns (four rows a call), each routed expert's rows streamed once per call. Numerics (the float formats' contract): the matmul
-inputs are bfloat16 values (the tokens' rows arrive rounded, act = silu(gate) * up is rounded here), the weights are
-decoded exactly, products and sums are float32; so the result equals a float reference on the dequantized weights
-with bf16-rounded activations up to float32 summation order.
+down over ranges of output columns (four rows a call), each routed expert's rows streamed once per call. Numerics
+(the float formats' contract): the matmul inputs are bfloat16 values (the tokens' rows arrive rounded, act =
+silu(gate) * up is rounded here), the weights are decoded exactly, products and sums are float32; so the result
+equals a float reference on the dequantized weights with bf16-rounded activations up to float32 summation order.
 
 Decoding: the e4m3 magnitude bits eeeemmm are moved into a float16's bits 13..7 (exponent 0eeee, mantissa
 mmm0000000) and the sign to bit 15. float16's exponent bias is 15 against e4m3's 7, and its subnormals sit where
