@@ -6,7 +6,7 @@ from __future__ import annotations
 import llvmlite.binding as llvm
 from llvmlite import ir
 from numba import types
-from numba.core import cgutils
+from numba.core import cgutils, config
 
 from cpu_experts.kernels_vnni import _IR
 from cpu_experts.kernels_vnni_int4 import _sum_lanes
@@ -56,7 +56,16 @@ def _decode_bytes(g: _IR, w, mode: str):
 
 
 def decode_mode() -> str:
-    """The nibble decoding this CPU compiles (`_decode_bytes`)."""
+    """The nibble decoding compiled for numba's target CPU (`_decode_bytes`): the host's, or with NUMBA_CPU_NAME
+    set (a cache built for other machines) what NUMBA_CPU_FEATURES grants, so that an AVX2 target never gets
+    `vpermps` on an AVX-512 build machine."""
+    if config.CPU_NAME not in (None, "host"):
+        granted = (config.CPU_FEATURES or "").split(",")
+        if "+avx512f" in granted:
+            return "permute"
+        # a named CPU (haswell, znver2, ...) has SSSE3; the baselines may not
+        has_ssse3 = "+ssse3" in granted or config.CPU_NAME not in ("generic", "x86-64")
+        return "shuffle" if has_ssse3 else "portable"
     features = llvm.get_host_cpu_features()
     if features.get("avx512f"):
         return "permute"
