@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from numba import njit
 from numba.extending import intrinsic
 
-from cpu_experts import formats, kernels_fp4
+from cpu_experts import formats, kernels_fp4, kernels_fp4_ir
 from cpu_experts.expert_file import ALLOWED_SCALES, FIXED_GROUP, ExpertLayerSpec, dequantize_matrix
 from cpu_experts.operator import PREFILL_MIN_TOKENS, CpuMoE
 from cpu_experts.packed import PackedLayer
@@ -235,30 +235,39 @@ def test_round_bf16_matches_torch():
     assert torch.isnan(got[-1])
 
 
-def _portable_codegen(is_mx):
+def _mode_codegen(is_mx, mode):
     def typer(typingctx, w, s, e, n, table, x_even, x_odd, t):
-        return (kernels_fp4._signature(1)(w, s, e, n, table, x_even, x_odd, t),
-                kernels_fp4._fp4_codegen(1, is_mx, portable=True))
+        return (kernels_fp4_ir._signature(1)(w, s, e, n, table, x_even, x_odd, t),
+                kernels_fp4_ir._fp4_codegen(kernels_fp4_ir.ONE_ROW, is_mx, mode=mode))
     return intrinsic(typer)
 
 
-_portable_mx, _portable_nv = _portable_codegen(True), _portable_codegen(False)
+# the nibble decodings this CPU does not compile by default: the generic IR, and `pshufb` where AVX-512 takes
+# `vpermps` (an AVX2 CPU compiles `pshufb` by default and cannot run `vpermps`)
+OTHER_MODES = ["portable"] + (["shuffle"] if kernels_fp4_ir.decode_mode() == "permute" else [])
+_OTHER = {(mode, is_mx): _mode_codegen(is_mx, mode) for mode in OTHER_MODES for is_mx in (True, False)}
 
 
-@njit
-def _portable_row_dots(w, s, x_even, x_odd, is_mx):
-    out = np.empty(w.shape[1], dtype=np.float32)
-    for n in range(w.shape[1]):
-        if is_mx:
-            out[n] = _portable_mx(w, s, 0, n, kernels_fp4.MX_FACTORS, x_even, x_odd, 0)
-        else:
-            out[n] = _portable_nv(w, s, 0, n, kernels_fp4.NV_FACTORS, x_even, x_odd, 0)
-    return out
+def _other_row_dots(mode):
+    mx, nv = _OTHER[mode, True], _OTHER[mode, False]
+
+    @njit
+    def row_dots(w, s, x_even, x_odd, is_mx):
+        out = np.empty(w.shape[1], dtype=np.float32)
+        for n in range(w.shape[1]):
+            if is_mx:
+                out[n] = mx(w, s, 0, n, kernels_fp4.MX_FACTORS, x_even, x_odd, 0)
+            else:
+                out[n] = nv(w, s, 0, n, kernels_fp4.NV_FACTORS, x_even, x_odd, 0)
+        return out
+    return row_dots
 
 
+@pytest.mark.parametrize("mode", OTHER_MODES)
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_portable_decode_equals_the_table_lookup(fmt):
-    """The generic-IR nibble decode (for CPUs without SSSE3's `pshufb`) gives the same sums, bit for bit."""
+def test_every_nibble_decoding_gives_the_same_sums(fmt, mode):
+    """The generic-IR nibble decode (for CPUs without SSSE3's `pshufb`) and `pshufb`'s (AVX2) give this CPU's
+    sums (`vpermps` on AVX-512), bit for bit."""
     rng = np.random.default_rng(8)
     num_bytes = 170  # 10 chunks and a tail of 10 bytes
     rows = rng.integers(0, 256, (1, 4, num_bytes), dtype=np.uint8)
@@ -268,8 +277,8 @@ def test_portable_decode_equals_the_table_lookup(fmt):
         rng.integers(0x28, 0x40, (1, 4, -(-num_bytes // 8)), dtype=np.uint8)
     x_even, x_odd = _split(rng.standard_normal(2 * num_bytes).astype(np.float32))
     table = _row_dots(rows, scales, x_even, x_odd, is_mx)
-    portable = _portable_row_dots(rows, scales, x_even, x_odd, is_mx)
-    assert np.array_equal(table, portable) and bool((table != 0).all())
+    other = _other_row_dots(mode)(rows, scales, x_even, x_odd, is_mx)
+    assert np.array_equal(table, other) and bool((table != 0).all())
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
