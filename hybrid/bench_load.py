@@ -5,7 +5,8 @@ The checkpoint is a directory (`--model`) or a synthetic one of a released shape
 sequential read of every file with a large buffer, cold (each file's pages dropped from the page cache first, where
 the OS allows) and warm (right after). Then, in a fresh process (so neither this one's imports nor its memory skew
 it), `LLM(dir, expert_placement="cpu", ...)` is timed to ready and split into its phases: building the model, the
-dense weights, the CPU experts (layer by layer from the checkpoint) and the rest (KV cache, executor). The load rate
+dense weights, the CPU experts (layer by layer from the checkpoint), page-locking them for streamed GPU prefill (on
+CUDA, unless `--gpu-prefill-tokens 0`) and the rest (KV cache, executor). The load rate
 is the checkpoint's bytes over the time to ready, compared with both read rates; the child reports its peak RSS.
 """
 
@@ -119,6 +120,7 @@ def child_main(t0: float) -> None:
     timer.wrap(llm_module, "load_weights", "load")  # what LLM calls, by its own module's name
     timer.wrap(direct_experts, "load_direct_cpu_experts", "experts")
     timer.wrap(converted, "load_cpu_experts", "experts")
+    timer.wrap(llm_module, "attach_streamed", "pin")  # on CUDA, streamed prefill page-locks the experts' memory
     start = time.perf_counter()
     llm = llm_module.LLM(path, config=config)
     if config.is_cuda:
@@ -126,11 +128,13 @@ def child_main(t0: float) -> None:
     ready = time.perf_counter()
     m = timer.marks
     load_start, load_end = m.get("load_start", ready), m.get("load_end", ready)
+    pin_s = m["pin_end"] - m["pin_start"] if "pin_start" in m else 0.0
     experts = [module for module in llm.model.modules() if isinstance(module, CpuExperts)]
     row = {"import_s": start - t0, "ready_s": ready - start, "build_s": load_start - start,
            "dense_s": m.get("experts_start", load_end) - load_start,
            "experts_s": load_end - m.get("experts_start", load_end),  # the loader's last step: to its end
-           "finish_s": ready - load_end, "expert_formats": sorted({module.op.spec.dtype for module in experts}),
+           "pin_s": pin_s, "finish_s": ready - load_end - pin_s, "pinned_gb": llm.num_pinned_bytes / GB,
+           "expert_formats": sorted({module.op.spec.dtype for module in experts}),
            "expert_gb": sum(module.op.layer.nbytes for module in experts) / GB,
            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GB}
     llm.close()
@@ -203,7 +207,8 @@ def main(argv: list[str]) -> int:
           f"{row['load_gb_s']:.2f} GB/s (imports before it {row['import_s']:.2f} s)")
     print(f"phases: build {row['build_s']:.2f} s, dense weights {row['dense_s']:.2f} s, CPU experts "
           f"{row['experts_s']:.2f} s ({'/'.join(row['expert_formats']) or 'none'}, {row['expert_gb']:.2f} GB), "
-          f"rest {row['finish_s']:.2f} s; peak RSS {row['peak_rss_gb']:.2f} GB")
+          f"page-locking {row['pin_s']:.2f} s ({row['pinned_gb']:.2f} GB), rest {row['finish_s']:.2f} s; "
+          f"peak RSS {row['peak_rss_gb']:.2f} GB")
     print(f"read rate: cold {row['cold_read_gb_s']:.2f} GB/s ({dropped}), warm {row['warm_read_gb_s']:.2f} GB/s; "
           f"the load runs at {row['of_cold_read']:.0%} of the cold and {row['of_warm_read']:.0%} of the warm rate")
     return 0

@@ -88,7 +88,8 @@ def test_load_benchmark_prints_its_row(tmp_path, tiny, capsys):
     for key in ("cold_read_gb_s", "warm_read_gb_s", "load_gb_s", "of_cold_read", "of_warm_read", "ready_s",
                 "import_s", "experts_s", "expert_gb", "peak_rss_gb", "child_s"):
         assert row[key] > 0, key
-    phases = row["build_s"] + row["dense_s"] + row["experts_s"] + row["finish_s"]
+    assert row["pin_s"] == row["pinned_gb"] == 0  # nothing is page-locked off CUDA
+    phases = row["build_s"] + row["dense_s"] + row["experts_s"] + row["pin_s"] + row["finish_s"]
     assert phases == pytest.approx(row["ready_s"], abs=1e-6)
     assert row["load_gb_s"] == pytest.approx(row["checkpoint_gb"] / row["ready_s"])
 
