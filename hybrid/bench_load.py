@@ -1,13 +1,13 @@
 """`hybrid-bench load`: start-up from a checkpoint directory as stored (no conversion), against the disk.
 
 The checkpoint is a directory (`--model`) or a synthetic one of a released shape (`--synthetic deepseek-v3 --layers 4
---fp8`: DeepSeek's published FP8 layout, written under `--workdir` if missing). First the read rate of its files: a
-sequential read of every file with a large buffer, cold (each file's pages dropped from the page cache first, where
-the OS allows) and warm (right after). Then, in a fresh process (so neither this one's imports nor its memory skew
-it), `LLM(dir, expert_placement="cpu", ...)` is timed to ready and split into its phases: building the model, the
-dense weights, the CPU experts (layer by layer from the checkpoint), page-locking them for streamed GPU prefill (on
-CUDA, unless `--gpu-prefill-tokens 0`) and the rest (KV cache, executor). The load rate
-is the checkpoint's bytes over the time to ready, compared with both read rates; the child reports its peak RSS.
+--fp8`: DeepSeek's published FP8 layout, written under `--workdir` if missing). First the read rate of its
+safetensors files: one sequential read of them all with a large buffer, cold (their pages dropped from the page
+cache first, where the OS allows) and warm (right after). Then, in a fresh process (so neither this one's imports
+nor its memory skew it), `LLM(dir, expert_placement="cpu", ...)` is timed to ready and split into its phases:
+building the model, the dense weights, the CPU experts (layer by layer from the checkpoint), page-locking them for
+streamed GPU prefill (on CUDA, unless `--gpu-prefill-tokens 0`) and the rest (KV cache, executor). The load rate is
+the checkpoint's bytes over the time to ready, compared with both read rates; the child reports its peak RSS.
 """
 
 from __future__ import annotations
@@ -159,8 +159,8 @@ def timed_start_up(path: Path, config: EngineConfig) -> dict:
 def run(args) -> dict:
     path = checkpoint_dir(args)
     config = from_namespace(EngineConfig, args)
-    files = sorted(p for p in path.iterdir() if p.is_file())
-    weights = sum(p.stat().st_size for p in files if p.suffix == ".safetensors")
+    files = sorted(path.rglob("*.safetensors"))  # a converted directory's expert files are under experts/
+    weights = sum(p.stat().st_size for p in files)
     dropped = drop_page_cache(files)
     cold = read_rate(files)
     warm = read_rate(files)
