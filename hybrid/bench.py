@@ -16,6 +16,8 @@ BENCHMARKS = {
     "decode": ("hybrid.bench_engine", "engine decode tokens/s on a converted or synthetic model, against its bound",
                "decode_main"),
     "prefill": ("hybrid.bench_engine", "engine prefill tokens/s on a converted or synthetic model", "prefill_main"),
+    "load": ("hybrid.bench_load",
+             "start-up from a checkpoint directory as stored: time to ready, against the read rate"),
 }
 
 

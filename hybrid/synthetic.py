@@ -4,6 +4,11 @@ names, written tensor by tensor, one shard per layer, so a checkpoint larger tha
 are Gaussian (std 0.02), tiled from one random pool: benchmarks of bandwidth and arithmetic do not depend on them,
 and generating fresh values would dominate.
 
+With `fp8=True` the checkpoint is in DeepSeek-V3's published FP8 layout: every Linear weight of attention, dense MLPs,
+shared and routed experts as float8_e4m3fn with a float32 `weight_scale_inv` per 128 x 128 block (embeddings,
+lm_head, norms and routers stay bf16), and the released `quantization_config`. The codes are tiled random bytes
+(no NaN codes) and the scales one constant giving weights of std ~0.02: quantizing gigabytes would dominate.
+
 `write_synthetic_converted` skips the source: it writes a `hybrid-convert` output directory directly, for shapes
 whose bf16 source and converted copy would not fit the disk (or a RAM disk) side by side.
 """
@@ -75,30 +80,55 @@ SHAPES: dict[str, dict] = {
         tie_word_embeddings=False, hidden_act="silu", topk_method="noaux_tc"),
 }
 POOL_ELEMENTS = 1 << 24  # 32 MiB of bf16 random values, tiled
+FP8_BLOCK = 128
+# DeepSeek-V3's config.json (the released FP8 checkpoint's)
+FP8_QUANTIZATION_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                           "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
+WEIGHT_STD = 0.02
 
 
-def shape_config(shape: str, num_layers: int) -> dict:
+def shape_config(shape: str, num_layers: int, num_dense_layers: int | None = None) -> dict:
     """The config.json of `shape` with `num_layers` decoder layers (in `text_config` for a wrapper), its per-layer
-    lists and first dense layers cut to fit."""
+    lists and first dense layers cut to fit (at least one MoE layer), or with `num_dense_layers` dense layers first
+    where the shape has dense layers (DeepSeek-V3's 3 of 4 would leave one MoE layer)."""
     if shape not in SHAPES:
         raise ValueError(f"unknown shape '{shape}'; known: {', '.join(SHAPES)}")
     config = copy.deepcopy(SHAPES[shape])
     text = config.get("text_config", config)
     text["num_hidden_layers"] = num_layers
-    if "first_k_dense_replace" in text:
-        text["first_k_dense_replace"] = min(text["first_k_dense_replace"], num_layers - 1)
-    if "mlp_layer_types" in text:
-        text["mlp_layer_types"] = text["mlp_layer_types"][:num_layers]
+    if num_dense_layers is not None:
+        if num_dense_layers and "first_k_dense_replace" not in text:
+            raise ValueError(f"shape '{shape}' has no dense layers: its dense layer count must be 0")
+        if not 0 <= num_dense_layers <= num_layers:
+            raise ValueError(f"dense layer count {num_dense_layers} must be in 0..{num_layers} (the layer count)")
+    if num_dense_layers is None:
+        if "first_k_dense_replace" in text:
+            text["first_k_dense_replace"] = min(text["first_k_dense_replace"], num_layers - 1)
+        if "mlp_layer_types" in text:
+            text["mlp_layer_types"] = text["mlp_layer_types"][:num_layers]
+    elif "first_k_dense_replace" in text:
+        text["first_k_dense_replace"] = num_dense_layers
+        if "mlp_layer_types" in text:
+            text["mlp_layer_types"] = ["dense"] * num_dense_layers + ["sparse"] * (num_layers - num_dense_layers)
     return config
 
 
-def write_synthetic_checkpoint(path: str | Path, shape: str, num_layers: int, seed: int = 0) -> int:
-    """Writes config.json and the weights of `shape` with `num_layers` decoder layers, under the published names;
-    returns the bytes written."""
+def has_dense_layers(shape: str) -> bool:
+    """Whether `shape`'s released model starts with dense (non-MoE) layers."""
+    return bool(SHAPES[shape].get("text_config", SHAPES[shape]).get("first_k_dense_replace"))
+
+
+def write_synthetic_checkpoint(path: str | Path, shape: str, num_layers: int, seed: int = 0, fp8: bool = False,
+                               num_dense_layers: int | None = None) -> int:
+    """Writes config.json and the weights of `shape` with `num_layers` decoder layers (`num_dense_layers`: see
+    `shape_config`), under the published names, bf16 or in the FP8 layout (module docstring); returns the bytes
+    written."""
     path = Path(path)
-    model = _write_config(path, shape, num_layers)
+    quantization = {"quantization_config": dict(FP8_QUANTIZATION_CONFIG)} if fp8 else {}
+    model = _write_config(path, shape, num_layers, num_dense_layers, quantization)
     return _write_weights(path, model, _pool(seed), skip=set(),
-                          rename=lambda name: published_name(name, type(model).checkpoint_prefixes))
+                          rename=lambda name: published_name(name, type(model).checkpoint_prefixes),
+                          codes=_fp8_codes(seed) if fp8 else None)
 
 
 def write_synthetic_converted(path: str | Path, shape: str, num_layers: int, expert_dtype: str = "int8",
@@ -147,9 +177,11 @@ def write_synthetic_converted(path: str | Path, shape: str, num_layers: int, exp
 INDEX_FILE = "model.safetensors.index.json"
 
 
-def _write_config(path: Path, shape: str, num_layers: int):
-    """config.json of `shape` at `num_layers`; returns the model built on the meta device."""
-    config = shape_config(shape, num_layers)
+def _write_config(path: Path, shape: str, num_layers: int, num_dense_layers: int | None = None,
+                  extra: dict | None = None):
+    """config.json of `shape` at `num_layers`, `extra` keys added at its top level; returns the model built on the
+    meta device."""
+    config = shape_config(shape, num_layers, num_dense_layers) | (extra or {})
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config, indent=2))
     cls, model_config = load_model_config(path)
@@ -158,24 +190,55 @@ def _write_config(path: Path, shape: str, num_layers: int):
 
 
 def _pool(seed: int) -> torch.Tensor:
-    return (torch.randn(POOL_ELEMENTS, generator=torch.Generator().manual_seed(seed)) * 0.02).to(torch.bfloat16)
+    return (torch.randn(POOL_ELEMENTS, generator=torch.Generator().manual_seed(seed)) * WEIGHT_STD).to(torch.bfloat16)
 
 
-def _write_weights(path: Path, model, pool: torch.Tensor, skip: set[str], rename) -> int:
-    """The model's checkpoint tensors but `skip`, named by `rename`, bf16 tiles of `pool`, one shard per layer,
-    and their index."""
-    shards: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
+def _fp8_codes(seed: int) -> torch.Tensor:
+    """Random float8_e4m3fn bits as uint8 (tiled like `_pool`): magnitudes 0x00..0x7E, so never the NaN codes 0x7F
+    and 0xFF."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    magnitudes = torch.randint(0, 0x7F, (POOL_ELEMENTS,), generator=gen, dtype=torch.uint8)
+    return magnitudes | (torch.randint(0, 2, (POOL_ELEMENTS,), generator=gen, dtype=torch.uint8) << 7)
+
+
+def is_fp8_stored(name: str, shape: tuple[int, ...]) -> bool:
+    """The tensors DeepSeek-V3's FP8 checkpoint stores in FP8: the 2-D Linear weights of the decoder layers
+    (attention, dense MLPs, shared and routed experts), not embeddings, lm_head, norms or the router (`*.gate`)."""
+    return (len(shape) == 2 and name.endswith(".weight") and ".layers." in name and "norm" not in name
+            and not name.endswith(".gate.weight"))
+
+
+def _stored_tensors(name: str, shape: tuple[int, ...], is_fp8: bool) -> list[tuple[str, torch.dtype, tuple]]:
+    if not is_fp8:
+        return [(name, torch.bfloat16, shape)]
+    blocks = tuple(-(-d // FP8_BLOCK) for d in shape)
+    return [(name, torch.float8_e4m3fn, shape), (name + "_scale_inv", torch.float32, blocks)]
+
+
+def _write_weights(path: Path, model, pool: torch.Tensor, skip: set[str], rename,
+                   codes: torch.Tensor | None = None) -> int:
+    """The model's checkpoint tensors but `skip`, named by `rename`, one shard per layer, and their index: bf16
+    tiles of `pool`, or with `codes` (`_fp8_codes`) the FP8 ones as tiles of those with constant block scales."""
+    shards: dict[str, list[tuple[str, torch.dtype, tuple[int, ...]]]] = {}
     for name, target in model.checkpoint_targets().items():
         if name in skip:
             continue
         layer = name.split(".")[2] if name.startswith("model.layers.") else None
         shard = f"model-layer-{int(layer):03d}.safetensors" if layer is not None else "model-other.safetensors"
-        shards.setdefault(shard, []).append((rename(name), tuple(target.shape)))
+        published, shape_ = rename(name), tuple(target.shape)
+        is_fp8 = codes is not None and is_fp8_stored(published, shape_)
+        shards.setdefault(shard, []).extend(_stored_tensors(published, shape_, is_fp8))
+    scale_inv = WEIGHT_STD / float(codes.view(torch.float8_e4m3fn).float().std()) if codes is not None else None
     weight_map, total = {}, 0
     for shard, tensors in sorted(shards.items()):
-        writer = SafetensorsWriter(path / shard, [TensorSpec(n, torch.bfloat16, s) for n, s in tensors])
-        for offset, (name, shape_) in enumerate(tensors):
-            writer.write(name, _tile(pool, shape_, offset))
+        writer = SafetensorsWriter(path / shard, [TensorSpec(n, d, s) for n, d, s in tensors])
+        for offset, (name, dtype, shape_) in enumerate(tensors):
+            if dtype == torch.float8_e4m3fn:
+                writer.write(name, _tile(codes, shape_, offset).view(dtype))
+            elif dtype == torch.float32:
+                writer.write(name, torch.full(shape_, scale_inv))
+            else:
+                writer.write(name, _tile(pool, shape_, offset))
             weight_map[name] = shard
         writer.close()
         total += writer.size
