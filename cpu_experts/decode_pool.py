@@ -45,9 +45,30 @@ from cpu_experts.atomics import (
     int32_pointer,
     int64_pointer,
     load_acquire64,
-    pointer_like,
     store_release64,
-    uint8_pointer,
+)
+from cpu_experts.decode_pool_layers import (
+    DOWN,
+    DOWN_S,
+    FLOAT_KINDS,
+    GATE,
+    GATE_S,
+    GROUP_H,
+    GROUP_I,
+    GROUPS_H,
+    GROUPS_I,
+    HIDDEN,
+    INT4,
+    INT4_BF16,
+    INT8,
+    NUM_EXPERTS,
+    ROWS,
+    UP,
+    UP_S,
+    layer_float,
+    layer_int4,
+    scratch_float,
+    scratch_int4,
 )
 from cpu_experts.decode_pool_sync import (
     _LINE,
@@ -77,7 +98,6 @@ from cpu_experts.executor import CpuExpertsError
 from cpu_experts.flag_worker import FlagWorker
 from cpu_experts.kernels import quantize_row
 from cpu_experts.kernels_vnni import _block_sums, down_row_int8, gate_up_item_int8
-from cpu_experts.kernels_vnni_int4 import down_rows_int4, gate_up_rows_int4, num_corrections, quantize_int4_row
 from cpu_experts.operator import CpuMoE, _route
 from cpu_experts.topology import pin_current_thread
 
@@ -109,12 +129,6 @@ def _quantize_rows(tid, num_threads, src, num_rows, num_cols, group, q, scale, s
         _block_sums(q[r, :num_cols], group, sums[r])
 
 
-# Columns of the slot table (one row per partition of a layer): the arrays' addresses, then their dimensions
-# (GATE_COLS, DOWN_COLS: the stored rows' lengths, halved for int4).
-(GATE, GATE_S, UP, UP_S, DOWN, DOWN_S, NUM_EXPERTS, ROWS, HIDDEN, GROUPS_H, GROUPS_I, GROUP_H, GROUP_I, GATE_COLS,
- DOWN_COLS) = range(15)
-# The pool's weight format, one for all its layers: its layer code is compiled per format.
-INT8, INT4, INT4_BF16 = range(3)
 
 
 @njit(nogil=True, cache=True)
@@ -128,74 +142,9 @@ def _slot_arrays(slots, s):
             carray(float32_pointer(slots[s, DOWN_S]), (e, hidden, slots[s, GROUPS_I])))
 
 
-@njit(nogil=True, cache=True)
-def _int4_dims(slots, s):
-    e, rows, hidden = slots[s, NUM_EXPERTS], slots[s, ROWS], slots[s, HIDDEN]
-    return (e, rows, slots[s, GATE_COLS]), (e, rows, slots[s, GROUPS_H]), (e, hidden, slots[s, DOWN_COLS]), \
-        (e, hidden, slots[s, GROUPS_I])
-
-
-@njit(nogil=True, cache=True)
-def _int4_arrays(slots, s, scale_like):
-    """Slot s's packed int4 gate, gate_s, up, up_s, down, down_s as unowned arrays, the scales of `scale_like`'s
-    dtype (float32, or bfloat16 as uint16 bits)."""
-    gate_dims, gate_s_dims, down_dims, down_s_dims = _int4_dims(slots, s)
-    return (carray(uint8_pointer(slots[s, GATE]), gate_dims),
-            carray(pointer_like(slots[s, GATE_S], scale_like), gate_s_dims),
-            carray(uint8_pointer(slots[s, UP]), gate_dims),
-            carray(pointer_like(slots[s, UP_S], scale_like), gate_s_dims),
-            carray(uint8_pointer(slots[s, DOWN]), down_dims),
-            carray(pointer_like(slots[s, DOWN_S], scale_like), down_s_dims))
-
-
-@njit(nogil=True, cache=True, fastmath=True)
-def _quantize_rows_int4(tid, num_threads, src, num_rows, num_cols, group, q_even, q_odd, scale, corr):
-    lo, hi = _share(num_rows, tid, num_threads)
-    half = (num_cols + 1) // 2
-    for r in range(lo, hi):
-        scale[r] = quantize_int4_row(src[r, :num_cols], q_even[r, :half], q_odd[r, :half], corr[r], group)
-
-
-@njit(nogil=True, cache=True, fastmath=True)
-def _partition_int4(tid, num_threads, ctl, slots, s, routing, num_tokens, gate, gate_s, up, up_s, down, down_s, x4,
-                    act, a4, out):
-    """One partition of an int4 layer: gate/up items, act to int8, down columns (`kernels_vnni_int4`'s bodies)."""
-    experts, offsets, pair_token, pair_weight = routing
-    x_even, x_odd, x_corr, x_scale = x4
-    a_even, a_odd, a_corr, a_scale = a4
-    lo, hi = _share(experts.shape[0] * gate.shape[1], tid, num_threads)
-    gate_up_rows_int4(lo, hi, experts, offsets, pair_token, gate, gate_s, up, up_s, x_even, x_odd, x_corr, x_scale,
-                      slots[s, GROUP_H], act)
-    _barrier(ctl, num_threads)
-    _quantize_rows_int4(tid, num_threads, act, pair_token.shape[0], slots[s, ROWS], slots[s, GROUP_I], a_even, a_odd,
-                        a_scale, a_corr)
-    _barrier(ctl, num_threads)
-    lo, hi = _share(down.shape[1], tid, num_threads)
-    down_rows_int4(lo, hi, experts, offsets, pair_token, pair_weight, down, down_s, a_even, a_odd, a_corr, a_scale,
-                   slots[s, GROUP_I], out)
-
-
-@njit(nogil=True, cache=True, fastmath=True)
-def _layer_int4(tid, num_threads, ctl, kind, first, count, slots, routing, num_tokens, hidden, out, x4, act, a4):
-    """This thread's share of one int4 MoE layer (after routing): the rows to int8, then partition by partition."""
-    x_even, x_odd, x_corr, x_scale = x4
-    _quantize_rows_int4(tid, num_threads, hidden, num_tokens, hidden.shape[1], slots[first, GROUP_H], x_even, x_odd,
-                        x_scale, x_corr)
-    lo, hi = _share(out.shape[1], tid, num_threads)
-    out[:num_tokens, lo:hi] = 0
-    _barrier(ctl, num_threads)
-    for s in range(first, first + count):
-        if kind == INT4_BF16:
-            arrays = _int4_arrays(slots, s, np.empty(0, np.uint16))
-            _partition_int4(tid, num_threads, ctl, slots, s, routing, num_tokens, *arrays, x4, act, a4, out)
-        else:
-            arrays = _int4_arrays(slots, s, np.empty(0, np.float32))
-            _partition_int4(tid, num_threads, ctl, slots, s, routing, num_tokens, *arrays, x4, act, a4, out)
-
-
 @njit(nogil=True, cache=True, fastmath=True)
 def _layer(tid, num_threads, ctl, layer, num_tokens, hidden, ids, weights, out, first_slot, num_slots, slots, x_q,
-           x_scale, x_sum, act, a_q, a_scale, a_sum, kind, x4, a4):
+           x_scale, x_sum, act, a_q, a_scale, a_sum, kind, x4, a4, xf4):
     """This thread's share of one MoE layer: out[:num_tokens] = the routed experts of `layer` (see the module)."""
     top_k = ids.shape[1]
     first = first_slot[layer] if layer < first_slot.shape[0] else -1
@@ -217,8 +166,13 @@ def _layer(tid, num_threads, ctl, layer, num_tokens, hidden, ids, weights, out, 
         out[:num_tokens, lo:hi] = 0
         return
     if kind != INT8:
-        _layer_int4(tid, num_threads, ctl, kind, first, num_slots[layer], slots,
-                    (experts, offsets, pair_token, pair_weight), num_tokens, hidden, out, x4, act, a4)
+        routing = (experts, offsets, pair_token, pair_weight)
+        if kind in (INT4, INT4_BF16):
+            layer_int4(tid, num_threads, ctl, kind, first, num_slots[layer], slots, routing, num_tokens, hidden, out,
+                       x4, act, a4)
+        else:
+            layer_float(tid, num_threads, ctl, kind, first, num_slots[layer], slots, routing, num_tokens, hidden,
+                        out, xf4)
         return
     num_groups_h = slots[first, GROUPS_H]
     _quantize_rows(tid, num_threads, hidden, num_tokens, hidden.shape[1], slots[first, GROUP_H], x_q, x_scale,
@@ -259,7 +213,8 @@ def _unowned_i64(a):
 
 @njit(nogil=True, cache=True)
 def _serve(tid, num_threads, ctl, flags, seen, idle_cycles, hidden, ids, weights, out, first_slot, num_slots, slots,
-           x_q, x_scale, x_sum, act, a_q, a_scale, a_sum, kind, x_even, x_odd, x_corr, a_even, a_odd, a_corr):
+           x_q, x_scale, x_sum, act, a_q, a_scale, a_sum, kind, x_even, x_odd, x_corr, a_even, a_odd, a_corr, x_f,
+           xf_even, xf_odd, af_even, af_odd):
     """Serves steps until none comes for `idle_cycles` (or parked, or stopped); returns the last generation seen.
     Every array the threads share is used through an unowned view (`atomics.int8_pointer`)."""
     hidden, weights, out, act = _unowned_f32(hidden), _unowned_f32(weights), _unowned_f32(out), _unowned_f32(act)
@@ -269,6 +224,8 @@ def _serve(tid, num_threads, ctl, flags, seen, idle_cycles, hidden, ids, weights
     x_q, a_q = _unowned_i8(x_q), _unowned_i8(a_q)
     x4 = (_unowned_i8(x_even), _unowned_i8(x_odd), _unowned_i32(x_corr), x_scale)
     a4 = (_unowned_i8(a_even), _unowned_i8(a_odd), _unowned_i32(a_corr), a_scale)
+    xf4 = (_unowned_f32(x_f), _unowned_f32(xf_even), _unowned_f32(xf_odd), act, _unowned_f32(af_even),
+           _unowned_f32(af_odd))
     while True:
         generation = _wait_step(ctl, seen, idle_cycles)
         if generation == seen:
@@ -283,7 +240,7 @@ def _serve(tid, num_threads, ctl, flags, seen, idle_cycles, hidden, ids, weights
                 break  # abandoned: the next step (or the stop) is read by _wait_step
             started = cycles()
             _layer(tid, num_threads, ctl, value - 1, num_tokens, hidden, ids, weights, out, first_slot, num_slots,
-                   slots, x_q, x_scale, x_sum, act, a_q, a_scale, a_sum, kind, x4, a4)
+                   slots, x_q, x_scale, x_sum, act, a_q, a_scale, a_sum, kind, x4, a4, xf4)
             _finish_layer(ctl, flags, value, num_threads, epoch)
             if tid == 0:
                 fetch_add64(ctl + WAIT_CYCLES * _LINE, started - waiting)
@@ -293,11 +250,14 @@ def _serve(tid, num_threads, ctl, flags, seen, idle_cycles, hidden, ids, weights
 # ---- the pool ----------------------------------------------------------------------------------------------------
 
 def supports(op: CpuMoE) -> bool:
-    """Whether the pool can serve this layer's decode steps (W8A8 int8 or int4 on the integer kernels)."""
-    return op.spec.dtype in ("int8", "int4") and op.is_w8a8 and op.is_vnni
+    """Whether the pool can serve this layer's decode steps: W8A8 int8 or int4 on the integer kernels, or a float
+    format (FP8, MXFP4, NVFP4) on its decode kernels."""
+    return op.spec.dtype in FLOAT_KINDS or op.spec.dtype in ("int8", "int4") and op.is_w8a8 and op.is_vnni
 
 
 def _kind(op: CpuMoE) -> int:
+    if op.spec.dtype in FLOAT_KINDS:
+        return FLOAT_KINDS[op.spec.dtype]
     if op.spec.dtype == "int8":
         return INT8
     return INT4_BF16 if op.spec.scale_dtype == "bfloat16" else INT4
@@ -311,11 +271,11 @@ class DecodePool:
                  idle_seconds: float = IDLE_SECONDS):
         unsupported = sorted(layer for layer, op in ops.items() if not supports(op))
         if not ops or unsupported or not cpus:
-            raise ValueError(f"DecodePool needs CPUs and W8A8 int8 or int4 layers on the integer kernels; layers "
-                             f"{unsupported} are not, cpus={list(cpus)}")
+            raise ValueError(f"DecodePool needs CPUs and layers it can serve (`supports`); layers {unsupported} are "
+                             f"not, cpus={list(cpus)}")
         kinds = {_kind(op) for op in ops.values()}
         if len(kinds) > 1:
-            raise ValueError("DecodePool serves layers of one expert format (int8, or int4 with one scale dtype)")
+            raise ValueError("DecodePool serves layers of one expert format (int4: with one scale dtype)")
         self.kind = kinds.pop()
         if worker.dtype != torch.float32:
             raise ValueError(f"DecodePool serves float32 staging buffers, got {worker.dtype}")
@@ -325,7 +285,8 @@ class DecodePool:
         self.max_tokens = min(min(op.prefill_min_tokens for op in ops.values()) - 1, worker.max_tokens)
         *self._weights, self._weight_arrays = _layer_tables(ops)
         self._scratch = _scratch(ops, worker.max_tokens, worker.top_k)
-        self._scratch_int4 = _scratch_int4(ops, worker.max_tokens, worker.top_k, self.kind != INT8)
+        self._scratch_int4 = scratch_int4(ops, worker.max_tokens, worker.top_k, self.kind in (INT4, INT4_BF16))
+        self._scratch_float = scratch_float(ops, worker.max_tokens, worker.top_k, self.kind in FLOAT_KINDS.values())
         self._buffers = tuple(b.numpy() for b in (worker.hidden_buffer, worker.ids_buffer, worker.weights_buffer,
                                                   worker.out_buffer))
         raw = np.zeros((NUM_WORDS + 1) * LINE_WORDS, dtype=np.int64)
@@ -431,7 +392,8 @@ class DecodePool:
 
     def _serve_call(self, tid: int, seen: int) -> int:
         return _serve(tid, self.num_threads, self.ctl.ctypes.data, self.worker.flags.data_ptr(), seen,
-                      self._idle_cycles, *self._buffers, *self._weights, *self._scratch, self.kind, *self._scratch_int4)
+                      self._idle_cycles, *self._buffers, *self._weights, *self._scratch, self.kind, *self._scratch_int4,
+                      *self._scratch_float)
 
     def _thread_main(self, tid: int) -> None:
         pin_current_thread([self.cpus[tid]])
@@ -462,12 +424,15 @@ def _layer_tables(ops: dict[int, CpuMoE]) -> tuple[np.ndarray, np.ndarray, np.nd
         for part in op.layer.partitions:
             arrays = [np.ascontiguousarray(a) for a in (part.gate, part.gate_scales, part.up, part.up_scales,
                                                           part.down, part.down_scales)]
-            keep += arrays
+            tensor_scales = [np.ascontiguousarray(a) for a in (part.gate_tensor_scale, part.up_tensor_scale,
+                                                                 part.down_tensor_scale) if a is not None]
+            keep += arrays + tensor_scales
             num_experts, size, gate_cols = part.gate.shape
             hidden = op.spec.hidden_size
             rows.append([a.ctypes.data for a in arrays] + [
                 num_experts, size, hidden, part.gate_scales.shape[2], part.down_scales.shape[2],
-                op.spec.group(op.spec.hidden_size), op.spec.group_size or part.size, gate_cols, part.down.shape[2]])
+                op.spec.group(op.spec.hidden_size), op.spec.group_size or part.size, gate_cols, part.down.shape[2]]
+                + ([a.ctypes.data for a in tensor_scales] or [0, 0, 0]))
     return first_slot, num_slots, np.array(rows, dtype=np.int64), keep
 
 
@@ -483,23 +448,6 @@ def _scratch(ops: dict[int, CpuMoE], max_tokens: int, top_k: int) -> tuple:
             np.zeros((max_tokens, groups_h), np.int64), np.zeros((max_pairs, max_rows), np.float32),
             np.zeros((max_pairs, max_rows), np.int8), np.zeros(max_pairs, np.float32),
             np.zeros((max_pairs, groups_i), np.int64))
-
-
-def _scratch_int4(ops: dict[int, CpuMoE], max_tokens: int, top_k: int, is_int4: bool) -> tuple:
-    """The int4 layers' activation buffers: x_even, x_odd [T, ceil(H / 2)], x_corr [T, U_h * 8]; a_even, a_odd
-    [P, ceil(I_part / 2)], a_corr [P, U_i * 8] (`kernels_vnni_int4`); one-element stand-ins for int8 layers."""
-    if not is_int4:
-        return (np.zeros((1, 1), np.int8), np.zeros((1, 1), np.int8), np.zeros((1, 1), np.int32)) * 2
-    parts = [(op, part) for op in ops.values() for part in op.layer.partitions]
-    spec = parts[0][0].spec
-    gate_bytes = max(part.gate.shape[2] for _, part in parts)
-    down_bytes = max(part.down.shape[2] for _, part in parts)
-    max_pairs = max_tokens * top_k
-    corr_h = max(num_corrections(part.gate.shape[2], spec.group(spec.hidden_size)) for _, part in parts)
-    corr_i = max(num_corrections(part.down.shape[2], spec.group_size) for _, part in parts)
-    return (np.zeros((max_tokens, gate_bytes), np.int8), np.zeros((max_tokens, gate_bytes), np.int8),
-            np.zeros((max_tokens, corr_h), np.int32), np.zeros((max_pairs, down_bytes), np.int8),
-            np.zeros((max_pairs, down_bytes), np.int8), np.zeros((max_pairs, corr_i), np.int32))
 
 
 @njit(nogil=True, cache=True)

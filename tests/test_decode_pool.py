@@ -26,7 +26,8 @@ E, H, I, TOP_K = 8, 160, 200, 3  # noqa: E741 (the shape letters of the project)
 
 
 def make_ops(group: int, partitions: int, layers=(0, 2, 3), dtype: str = "int8") -> dict[int, CpuMoE]:
-    """dtype "int8", "int4", or "int4 bf16" (int4 with bfloat16 scales, as Kimi-K2's checkpoints store them)."""
+    """dtype "int8", "int4", "int4 bf16" (int4 with bfloat16 scales, as Kimi-K2's checkpoints store them), "fp8",
+    "mxfp4" or "nvfp4"."""
     ops = {}
     for layer in layers:
         gen = torch.Generator().manual_seed(layer)
@@ -70,10 +71,12 @@ def inputs(num_tokens: int, seed: int):
 
 @pytest.mark.parametrize("group,partitions,num_threads,dtype", [
     (0, 1, 2, "int8"), (64, 3, 3, "int8"), (0, 3, 1, "int8"), (32, 1, 3, "int4 bf16"), (64, 3, 2, "int4"),
-    (32, 3, 2, "int4")])
+    (32, 3, 2, "int4"), (32, 1, 2, "fp8"), (64, 3, 3, "fp8"), (32, 3, 2, "mxfp4"), (16, 1, 3, "nvfp4"),
+    (16, 3, 2, "nvfp4")])
 def test_steps_equal_the_operator(group, partitions, num_threads, dtype):
-    """int4: group 32 (its two-groups-a-vector loop) with bfloat16 scales, and group 64; I = 200 leaves a last
-    group that fills no vector unit (the byte-at-a-time tail)."""
+    """int4: group 32 (its several-groups-a-vector loop) with bfloat16 scales, and group 64; I = 200 leaves a last
+    group that fills no vector unit (the byte-at-a-time tail). The float formats (bf16 activations) on their decode
+    kernels' work ranges, with a barrier between partitions (down reads the act rows the next gate/up writes)."""
     ops = make_ops(group, partitions, dtype=dtype)
     pool, executor = make_pool(ops, num_threads)
     try:
