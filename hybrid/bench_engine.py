@@ -331,7 +331,7 @@ def main(argv: list[str], mode: str) -> int:
     parser.add_argument("--model", default=None, help="a hybrid-convert output directory")
     parser.add_argument("--synthetic", choices=sorted(SHAPES), default="qwen3-30b-a3b")
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--expert-dtype", default="int8", choices=["int8", "int4"])
+    parser.add_argument("--expert-dtype", default="int8", choices=["int8", "int4", "fp8", "mxfp4", "nvfp4"])
     parser.add_argument("--group-size", type=int, default=None, help="experts' scale group (hybrid-convert's)")
     parser.add_argument("--no-source", action="store_true",
                         help="synthetic: write the converted model directly (random expert codes, one expert file "

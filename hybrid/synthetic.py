@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from cpu_experts.expert_file import ROLES, ExpertLayerSpec
+from cpu_experts.expert_file import ALLOWED_SCALES, FIXED_GROUP, ROLES, ExpertLayerSpec
 from hybrid.checkpoint import published_name
 from hybrid.converted import MANIFEST_FILE, MANIFEST_FORMAT, MANIFEST_VERSION
 from hybrid.models import load_model_config
@@ -147,22 +147,23 @@ def write_synthetic_converted(path: str | Path, shape: str, num_layers: int, exp
               for e in range(config.moe.num_experts) for role in ROLES}
     pool = _pool(seed)
     total = _write_weights(path, model, pool, skip=routed, rename=lambda name: name)
-    # int4 scales as the published INT4 checkpoints store them and the converter passes them through: bf16
-    spec = ExpertLayerSpec(config.moe.num_experts, config.hidden_size, config.moe.intermediate_size, expert_dtype,
-                           group_size, "bfloat16" if expert_dtype == "int4" else "float32")
+    spec = _synthetic_spec(config, expert_dtype, group_size)
+    group_size = spec.group_size
     rel = "experts/shared.safetensors"
     (path / "experts").mkdir(exist_ok=True)
     writer = SafetensorsWriter(path / rel, [TensorSpec(n, d, s) for n, (s, d) in spec.tensor_shapes().items()],
                                metadata=spec.metadata(moe_layers[0]))
-    # uniform codes in [-127, 127] have std 127 / sqrt(3); int4 nibbles (codes -8..7) about 4.6
-    code_std = {"int8": 127 / math.sqrt(3), "int4": 4.61}.get(expert_dtype)
+    codes = _fp8_codes(seed) if expert_dtype == "fp8" else pool.view(torch.uint8)  # FP4: every nibble is a code
+    scales = _synthetic_scales(expert_dtype, codes)
     for offset, (name, (shape_, dtype)) in enumerate(spec.tensor_shapes().items()):
-        if name.endswith(".scales"):
-            writer.write(name, torch.full(shape_, 0.02 / code_std, dtype=dtype))
+        kind = name.split(".", 1)[1]
+        if kind in scales:
+            writer.write(name, torch.full(shape_, scales[kind]).to(dtype) if dtype != torch.uint8
+                         else torch.full(shape_, scales[kind], dtype=dtype))
         elif dtype == torch.bfloat16:
             writer.write(name, _tile(pool, shape_, offset))
         else:  # the pool's raw bytes: any codes will do for timing, and they are cheap for tens of GB
-            writer.write(name, _tile(pool.view(dtype), shape_, offset))
+            writer.write(name, _tile((codes if dtype == torch.uint8 else pool).view(dtype), shape_, offset))
     writer.close()
     manifest = {"format": MANIFEST_FORMAT, "format_version": MANIFEST_VERSION, "converter": "hybrid synthetic",
                 "source": {"path": None, "architecture": config.architecture},
@@ -175,6 +176,29 @@ def write_synthetic_converted(path: str | Path, shape: str, num_layers: int, exp
 
 
 INDEX_FILE = "model.safetensors.index.json"
+E2M1_CODE_STD = 2.93  # uniform random e2m1 codes: sqrt of the mean of {0, .5, 1, 1.5, 2, 3, 4, 6} squared
+
+
+def _synthetic_spec(config, expert_dtype: str, group_size: int) -> ExpertLayerSpec:
+    """int4 scales as the published INT4 checkpoints store them and the converter passes them through (bf16); the
+    float formats' own scale dtypes and groups (FP8: 128 unless asked)."""
+    scale_dtype = "bfloat16" if expert_dtype == "int4" else ALLOWED_SCALES[expert_dtype][0]
+    group_size = FIXED_GROUP.get(expert_dtype, group_size or (128 if expert_dtype == "fp8" else 0))
+    return ExpertLayerSpec(config.moe.num_experts, config.hidden_size, config.moe.intermediate_size, expert_dtype,
+                           group_size, scale_dtype)
+
+
+def _synthetic_scales(expert_dtype: str, codes: torch.Tensor) -> dict[str, float | int]:
+    """Scale values (or their stored bits) that give the random codes weights of std ~0.02, by tensor kind."""
+    if expert_dtype == "fp8":
+        std = float(codes.view(torch.float8_e4m3fn)[: 1 << 20].float().std())
+        return {"scales": 0.02 / std}
+    if expert_dtype == "mxfp4":
+        return {"scales": 127 + round(math.log2(0.02 / E2M1_CODE_STD))}  # E8M0 bits
+    if expert_dtype == "nvfp4":
+        return {"scales": 0x38, "tensor_scale": 0.02 / E2M1_CODE_STD}  # e4m3 bits of 1.0
+    # uniform codes in [-127, 127] have std 127 / sqrt(3); int4 nibbles (codes -8..7) about 4.6
+    return {"scales": 0.02 / {"int8": 127 / math.sqrt(3), "int4": 4.61}.get(expert_dtype, 1.0)}
 
 
 def _write_config(path: Path, shape: str, num_layers: int, num_dense_layers: int | None = None,
