@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from hybrid.safetensors_io import CHUNK_BYTES
+from hybrid import bench_load
 from hybrid.synthetic import SHAPES, write_synthetic_checkpoint
 
 MiB = 2**20
@@ -52,14 +52,7 @@ def _child(mode: str, args: list[str]) -> tuple[float, int, int]:
 
 def read_rate(directory: Path) -> float:
     """Bytes per second of reading every safetensors file in `directory` (warm page cache, one pass)."""
-    files = sorted(directory.glob("*.safetensors"))
-    buffer = memoryview(bytearray(CHUNK_BYTES))
-    total, start = 0, time.perf_counter()
-    for file in files:
-        with open(file, "rb", buffering=0) as f:
-            while n := f.readinto(buffer):
-                total += n
-    return total / (time.perf_counter() - start)
+    return bench_load.read_rate(sorted(directory.glob("*.safetensors")))
 
 
 def run(args) -> list[dict]:
