@@ -4,10 +4,13 @@ Data flow (the new tokens' K/V are already written to the cache, so everything i
   k_cache, v_cache [num_blocks, P, Hkv, D]   pages of P slots (P a power of two), bf16 / fp16 / fp32
   block_tables [B, max_blocks] int32          sequence b's position n lives in page block_tables[b, n // P]
   seq_lens [B] int32                          context length of each sequence, new tokens included
-  decode:  q [B, Hq, D]  -> out [B, Hq, D]    one new token per sequence (position seq_lens[b] - 1)
-  prefill: q [T, Hq, D]  -> out [T, Hq, D]    sequence b owns tokens query_start_loc[b]:query_start_loc[b + 1],
+  decode:  q [B, Hq, D]  -> out [B, Hq, Dv]   one new token per sequence (position seq_lens[b] - 1)
+  prefill: q [T, Hq, D]  -> out [T, Hq, Dv]   sequence b owns tokens query_start_loc[b]:query_start_loc[b + 1],
                                               its last query_len positions, attending causally to all its context
 Hq = G * Hkv with a GQA group G of 1..16. A sliding window W keeps keys k with p - W < k <= p for query position p.
+V may be narrower than K (v_cache [.., Dv]; MiMo-V2-Flash's 192/128). Optional sinks [Hq] float32 (gpt-oss, MiMo)
+add one logit s_h per head to each softmax's denominator, its probability dropped; an optional value scale
+multiplies V (MiMo), applied to the output since attention is linear in V.
 
 Why it is built this way:
 - GQA packing: one program serves all G query heads of one KV head (G rows of the M side of the dot, padded to
@@ -22,17 +25,20 @@ Why it is built this way:
   size works with any BLOCK_N; each row is a contiguous D-vector, so loads stay 16-byte wide.
 - Softmax runs in base 2 (scale * log2 e folded into the scores); fully masked rows are guarded so that they give
   zeros, not NaN. fp32 caches use exact ("ieee") dots so they can serve as a precise test path.
-- Head dims 64/96/128/192/256: non-powers of two are padded to the next power of two and masked.
+- Head dims 64/96/128/192/256: non-powers of two are padded to the next power of two and masked. The q/k and v
+  widths are separate constexprs, so an asymmetric pair pads each on its own and takes the wider one's tiles.
+- Sinks: the sink is a key whose value is zero, so it only seeds the running (max, sum) with (s_h, 1). Prefill seeds
+  each row with it; split-K decode seeds the reduce with it, never a split, so the sum counts it once whatever
+  num_splits is. HAS_SINKS is a constexpr: models without sinks run the kernels unchanged.
 - GQA group, page size and sliding window are run-time ints, so one compiled kernel serves them all and the gate
-  cases (one per kernel, dtype and head dim, per capability) cover everything the launchers can select.
+  cases (one per kernel, dtype, head dims and sinks on/off, per capability; gpu_layers.attention_cases) cover
+  everything the launchers can select.
 - Configs were chosen on an H200 (decode at batch 8-64 and 8K-32K contexts runs at 86-99% of the copy bandwidth)
   and, for 89/120, by compiling offline: 64-key tiles keep two programs per SM inside 99 KiB of shared memory.
 The plain-PyTorch oracle and CPU path is gpu_layers.reference.paged_attention.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
@@ -49,6 +55,9 @@ MAX_SPLITS = 256
 PROGRAMS_PER_SM = 2  # decode programs wanted per multiprocessor over the whole grid
 MIN_TILES_PER_SPLIT = 2  # below this a partition costs more in partials and combining than it saves
 LOG2E = 1.4426950408889634
+_LOG2E = tl.constexpr(LOG2E)  # sinks are natural-log logits; the kernels' scores are in base 2
+# (q/k head dim, v head dim) pairs besides the equal ones: MiMo-V2-Flash's 192/128.
+ASYMMETRIC_HEAD_DIMS = ((192, 128),)
 
 # Configs are keyed by (head dim padded to a power of two, bytes per element). fp32 is the exact test and
 # debugging path: its "ieee" dots run on the FMA units with operands in registers, so it takes small tiles and one
@@ -65,7 +74,7 @@ PREFILL_CONFIGS = {
     89: {(64, 2): (128, 64, 8, 2), (128, 2): (128, 64, 8, 2), (256, 2): (64, 32, 8, 2),
          (64, 4): (32, 16, 4, 1), (128, 4): (16, 16, 8, 1), (256, 4): (16, 16, 8, 1)},
     90: {(64, 2): (128, 128, 8, 2), (128, 2): (128, 128, 8, 2), (256, 2): (64, 64, 8, 3),
-         (64, 4): (32, 16, 4, 1), (128, 4): (16, 16, 8, 1), (256, 4): (16, 16, 8, 1)},
+         (64, 4): (32, 16, 4, 1), (128, 4): (16, 16, 8, 1), (256, 4): (16, 16, 4, 1)},
     120: {(64, 2): (128, 64, 8, 2), (128, 2): (128, 64, 8, 2), (256, 2): (64, 32, 8, 2),
           (64, 4): (32, 16, 4, 1), (128, 4): (16, 16, 4, 1), (256, 4): (16, 16, 8, 1)},
 }
@@ -106,10 +115,11 @@ def paged_decode_kernel(
     partial_acc_ptr, partial_max_ptr, partial_sum_ptr,
     scale_log2, sliding_window, group, num_splits, page_shift,
     stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_bt,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    QK_DIM: tl.constexpr, QK_PAD: tl.constexpr, V_DIM: tl.constexpr, V_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Program (b, kv head, split): the G query heads of one KV head over one partition of sequence b's context.
-    Writes partials [B, Hq, S, D] (acc, not normalised), [B, Hq, S] (max, base 2) and [B, Hq, S] (sum)."""
+    Writes partials [B, Hq, S, Dv] (acc, not normalised), [B, Hq, S] (max, base 2) and [B, Hq, S] (sum)."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -128,11 +138,11 @@ def paged_decode_kernel(
     rows = tl.arange(0, GROUP_PAD)
     heads = kv_head * group + rows
     row_mask = rows < group
-    offs_d = tl.arange(0, D_PAD)
-    q_ptrs = q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=row_mask[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    offs_qk = tl.arange(0, QK_PAD)
+    q_ptrs = q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_qk[None, :]
+    q = tl.load(q_ptrs, mask=row_mask[:, None] & (offs_qk[None, :] < QK_DIM), other=0.0)
 
-    acc = tl.zeros([GROUP_PAD, D_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, V_PAD], dtype=tl.float32)
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     block_table_row = block_tables_ptr + seq * stride_bt
@@ -140,24 +150,27 @@ def paged_decode_kernel(
         offs_n = start + tl.arange(0, BLOCK_N)
         n_mask = (offs_n < hi) & (offs_n >= first)
         k = _load_kv_tile(k_cache_ptr, block_table_row, offs_n, n_mask, kv_head, page_shift,
-                          stride_kp, stride_ks, stride_kh, HEAD_DIM, D_PAD)
+                          stride_kp, stride_ks, stride_kh, QK_DIM, QK_PAD)
         v = _load_kv_tile(v_cache_ptr, block_table_row, offs_n, n_mask, kv_head, page_shift,
-                          stride_vp, stride_vs, stride_vh, HEAD_DIM, D_PAD)
+                          stride_vp, stride_vs, stride_vh, V_DIM, V_PAD)
         acc, m_i, l_i = _softmax_step(q, k, v, n_mask[None, :], acc, m_i, l_i, scale_log2, DOT_PRECISION)
 
     partial = (seq * num_q_heads + heads) * num_splits + split  # [GROUP_PAD] index into [B, Hq, S]
     tl.store(partial_max_ptr + partial, m_i, mask=row_mask)
     tl.store(partial_sum_ptr + partial, l_i, mask=row_mask)
-    acc_ptrs = partial_acc_ptr + partial[:, None] * HEAD_DIM + offs_d[None, :]
-    tl.store(acc_ptrs, acc, mask=row_mask[:, None] & (offs_d[None, :] < HEAD_DIM))
+    offs_v = tl.arange(0, V_PAD)
+    acc_ptrs = partial_acc_ptr + partial[:, None] * V_DIM + offs_v[None, :]
+    tl.store(acc_ptrs, acc, mask=row_mask[:, None] & (offs_v[None, :] < V_DIM))
 
 
 @triton.jit
 def paged_decode_reduce_kernel(
-    partial_acc_ptr, partial_max_ptr, partial_sum_ptr, out_ptr, num_splits, stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
+    partial_acc_ptr, partial_max_ptr, partial_sum_ptr, sinks_ptr, out_ptr, num_splits, stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLIT_BLOCK: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
-    """Program (b, q head): combines the S partials of one head into out[b, head] (online over SPLIT_BLOCK)."""
+    """Program (b, q head): combines the S partials of one head into out[b, head] (online over SPLIT_BLOCK).
+    HEAD_DIM is the value head dim. A sink enters here, once, as one more partial (max s_h, sum 1, acc 0), so the
+    result does not depend on the number of splits."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     base = (seq * tl.num_programs(1) + head) * num_splits
@@ -167,6 +180,9 @@ def paged_decode_reduce_kernel(
     acc = tl.zeros([D_PAD], dtype=tl.float32)
     m_run = float("-inf")
     l_run = 0.0
+    if HAS_SINKS:
+        m_run = tl.load(sinks_ptr + head) * _LOG2E  # the sink logit, in the partials' base 2
+        l_run = 1.0
     for s0 in range(0, num_splits, SPLIT_BLOCK):
         offs_s = s0 + tl.arange(0, SPLIT_BLOCK)
         s_mask = offs_s < num_splits
@@ -188,17 +204,17 @@ def paged_decode_reduce_kernel(
 @triton.jit
 def _prefill_keys(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_row, kv_head, lo, hi, pos, lower,
                   scale_log2, page_shift, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                  HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, IS_MASKED: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr):
+                  QK_DIM: tl.constexpr, QK_PAD: tl.constexpr, V_DIM: tl.constexpr, V_PAD: tl.constexpr,
+                  BLOCK_N: tl.constexpr, IS_MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Keys [lo, hi) in BLOCK_N tiles. IS_MASKED applies the causal/window mask per (row, key); the unmasked
     loop covers keys that every row of the tile sees, and skips that work."""
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < hi
         k = _load_kv_tile(k_cache_ptr, block_table_row, offs_n, n_mask, kv_head, page_shift,
-                          stride_kp, stride_ks, stride_kh, HEAD_DIM, D_PAD)
+                          stride_kp, stride_ks, stride_kh, QK_DIM, QK_PAD)
         v = _load_kv_tile(v_cache_ptr, block_table_row, offs_n, n_mask, kv_head, page_shift,
-                          stride_vp, stride_vs, stride_vh, HEAD_DIM, D_PAD)
+                          stride_vp, stride_vs, stride_vh, V_DIM, V_PAD)
         if IS_MASKED:
             score_mask = (offs_n[None, :] <= pos[:, None]) & (offs_n[None, :] > lower[:, None])
         else:
@@ -209,12 +225,12 @@ def _prefill_keys(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_row, k
 
 @triton.jit
 def paged_prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, sinks_ptr,
     scale_log2, sliding_window, group, page_shift,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_bt,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    QK_DIM: tl.constexpr, QK_PAD: tl.constexpr, V_DIM: tl.constexpr, V_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     """Program (query tile, b, kv head): BLOCK_M rows = BLOCK_M // G consecutive new tokens of sequence b times
     the G query heads of one KV head, attending causally over b's whole paged context."""
@@ -236,10 +252,10 @@ def paged_prefill_kernel(
     row_mask = (rows < tokens_per_tile * group) & (tokens < q_len)
     pos = seq_len - q_len + tokens  # absolute position of each row's token
     lower = tl.where(sliding_window > 0, pos - sliding_window, -1)  # keys must be > lower
-    offs_d = tl.arange(0, D_PAD)
-    d_mask = offs_d[None, :] < HEAD_DIM
+    offs_qk = tl.arange(0, QK_PAD)
     q_rows = tl.multiple_of((q_start + tokens).to(tl.int64) * stride_qt + heads * stride_qh, [16])
-    q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_mask[:, None] & d_mask, other=0.0)
+    q = tl.load(q_ptr + q_rows[:, None] + offs_qk[None, :], mask=row_mask[:, None] & (offs_qk[None, :] < QK_DIM),
+                other=0.0)
 
     # Keys [lo, mid) are visible to every row (no mask needed); [mid, hi) holds the causal diagonal and the
     # window's edge. A window makes every tile masked (rare: Mixtral-like models).
@@ -251,21 +267,27 @@ def paged_prefill_kernel(
         lo = tl.maximum(first_pos - sliding_window + 1, 0) // BLOCK_N * BLOCK_N
         mid = lo
 
-    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, V_PAD], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_SINKS:  # the sink is a key of logit s_h and value 0: the running state starts from it
+        m_i = tl.load(sinks_ptr + heads, mask=row_mask, other=0.0) * _LOG2E
+        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
     block_table_row = block_tables_ptr + seq * stride_bt
     acc, m_i, l_i = _prefill_keys(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_row, kv_head, lo, mid,
                                   pos, lower, scale_log2, page_shift, stride_kp, stride_ks, stride_kh,
-                                  stride_vp, stride_vs, stride_vh, HEAD_DIM, D_PAD, BLOCK_N, False, DOT_PRECISION)
+                                  stride_vp, stride_vs, stride_vh, QK_DIM, QK_PAD, V_DIM, V_PAD, BLOCK_N, False,
+                                  DOT_PRECISION)
     acc, m_i, l_i = _prefill_keys(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_row, kv_head, mid, hi,
                                   pos, lower, scale_log2, page_shift, stride_kp, stride_ks, stride_kh,
-                                  stride_vp, stride_vs, stride_vh, HEAD_DIM, D_PAD, BLOCK_N, True, DOT_PRECISION)
+                                  stride_vp, stride_vs, stride_vh, QK_DIM, QK_PAD, V_DIM, V_PAD, BLOCK_N, True,
+                                  DOT_PRECISION)
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     o_rows = tl.multiple_of((q_start + tokens).to(tl.int64) * stride_ot + heads * stride_oh, [16])
-    tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=row_mask[:, None] & d_mask)
+    offs_v = tl.arange(0, V_PAD)
+    tl.store(out_ptr + o_rows[:, None] + offs_v[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=row_mask[:, None] & (offs_v[None, :] < V_DIM))
 
 
 # ----------------------------------------------------------------------------------------------- host side
@@ -284,18 +306,39 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # only fp32 operands read it: exact fp32 dots
 
 
-def _config_key(head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
-    return _padded(head_dim), dtype.itemsize
+def _config_key(head_dim: int, v_head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
+    # Unequal dims take the wider one's tiles: K and V tiles then need no more shared memory or registers than a
+    # symmetric head of that width, which the tables were chosen for.
+    return max(_padded(head_dim), _padded(v_head_dim)), dtype.itemsize
 
 
-def decode_config(capability: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
+def supports_head_dims(head_dim: int, v_head_dim: int) -> bool:
+    """Whether the kernels serve q/k head dim `head_dim` with v head dim `v_head_dim`."""
+    if head_dim == v_head_dim:
+        return head_dim in SUPPORTED_HEAD_DIMS
+    return (head_dim, v_head_dim) in ASYMMETRIC_HEAD_DIMS
+
+
+def head_dim_pairs() -> tuple[tuple[int, int], ...]:
+    """Every supported (q/k head dim, v head dim)."""
+    return tuple((d, d) for d in SUPPORTED_HEAD_DIMS) + ASYMMETRIC_HEAD_DIMS
+
+
+def decode_config(capability: int, head_dim: int, dtype: torch.dtype, v_head_dim: int | None = None
+                  ) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) of the decode kernel."""
-    return select(DECODE_CONFIGS, capability)[_config_key(head_dim, dtype)]
+    return select(DECODE_CONFIGS, capability)[_config_key(head_dim, v_head_dim or head_dim, dtype)]
 
 
-def prefill_config(capability: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+def prefill_config(capability: int, head_dim: int, dtype: torch.dtype, v_head_dim: int | None = None
+                   ) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the prefill kernel."""
-    return select(PREFILL_CONFIGS, capability)[_config_key(head_dim, dtype)]
+    return select(PREFILL_CONFIGS, capability)[_config_key(head_dim, v_head_dim or head_dim, dtype)]
+
+
+def _dims(head_dim: int, v_head_dim: int) -> dict[str, int]:
+    """The kernels' head-dim constexprs: non-powers of two are padded in registers and masked, not in memory."""
+    return {"QK_DIM": head_dim, "QK_PAD": _padded(head_dim), "V_DIM": v_head_dim, "V_PAD": _padded(v_head_dim)}
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int, num_sms: int) -> int:
@@ -324,11 +367,14 @@ def _check_paged(q, k_cache, v_cache, block_tables, seq_lens, num_seqs: int) -> 
         _check(cache.dtype == q.dtype, f"{name} dtype {cache.dtype} differs from q's {q.dtype}")
         _check(cache.device == q.device, f"{name} is on {cache.device}, q on {q.device}")
         _check_rows(name, cache)
-    _check(v_cache.shape == k_cache.shape, f"v_cache shape {tuple(v_cache.shape)} differs from k_cache's")
-    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    _check(v_cache.shape[:3] == k_cache.shape[:3],
+           f"v_cache shape {tuple(v_cache.shape)} differs from k_cache's {tuple(k_cache.shape)} before the head dim")
+    num_q_heads, head_dim, v_head_dim = q.shape[1], q.shape[2], v_cache.shape[3]
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     _check(k_cache.shape[3] == head_dim, f"k_cache head dim {k_cache.shape[3]} differs from q's {head_dim}")
-    _check(head_dim in SUPPORTED_HEAD_DIMS, f"head_dim {head_dim} is not one of {SUPPORTED_HEAD_DIMS}")
+    _check(supports_head_dims(head_dim, v_head_dim),
+           f"head_dim {head_dim} with v head dim {v_head_dim} is not supported: equal dims of {SUPPORTED_HEAD_DIMS} "
+           f"or (q/k, v) of {ASYMMETRIC_HEAD_DIMS}")
     _check(page_size & (page_size - 1) == 0, f"k_cache block size {page_size} is not a power of two")
     _check(num_q_heads % num_kv_heads == 0, f"q heads {num_q_heads} are not a multiple of kv heads {num_kv_heads}")
     group = num_q_heads // num_kv_heads
@@ -358,6 +404,27 @@ def _check_window(sliding_window) -> int:
     return sliding_window or 0
 
 
+def _check_sinks(sinks: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
+    """The sinks to pass to the kernels: with none, an empty float32 tensor stands in (unread), so the launch
+    keeps the pointer type the gate compiles."""
+    if sinks is None:
+        return torch.empty(0, dtype=torch.float32, device=q.device)
+    num_q_heads = q.shape[1]
+    _check(sinks.dtype == torch.float32, f"sinks must be float32, got {sinks.dtype}")
+    _check(tuple(sinks.shape) == (num_q_heads,), f"sinks must have shape ({num_q_heads},), got {tuple(sinks.shape)}")
+    _check(sinks.device == q.device, f"sinks is on {sinks.device}, q on {q.device}")
+    _check(sinks.is_contiguous(), "sinks must be contiguous")
+    return sinks
+
+
+def _apply_value_scale(out: torch.Tensor, value_scale: float) -> torch.Tensor:
+    # Attention is linear in V, so scaling the output equals scaling V before it is cached (MiMo's v_scale), at
+    # the cost of one pass over the (small) output instead of a kernel variant.
+    if value_scale != 1.0:
+        out.mul_(value_scale)
+    return out
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -369,20 +436,25 @@ def paged_decode_attention(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     max_seq_len: int | None = None,
+    sinks: torch.Tensor | None = None,
+    value_scale: float = 1.0,
 ) -> torch.Tensor:
-    """One new token per sequence: q [B, Hq, D] over its paged context -> [B, Hq, D]. Reference:
-    gpu_layers.reference.paged_attention with query_lens all 1. `max_seq_len` bounds the contexts (default: what
-    the block table can hold); with `num_splits` None the split count comes from it and the batch shape."""
+    """One new token per sequence: q [B, Hq, D] over its paged context (K [.., D], V [.., Dv]) -> [B, Hq, Dv].
+    Reference: gpu_layers.reference.paged_attention with query_lens all 1. `max_seq_len` bounds the contexts
+    (default: what the block table can hold); with `num_splits` None the split count comes from it and the batch
+    shape. `sinks` [Hq] float32: one more logit per head in each softmax denominator (gpt-oss); `value_scale`
+    multiplies V (MiMo)."""
     num_seqs = q.shape[0]
     group, page_shift = _check_paged(q, k_cache, v_cache, block_tables, seq_lens, num_seqs)
     window = _check_window(sliding_window)
-    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    sinks_arg = _check_sinks(sinks, q)
+    num_q_heads, head_dim, v_head_dim = q.shape[1], q.shape[2], v_cache.shape[3]
     num_kv_heads = k_cache.shape[2]
-    out = _output(out, (num_seqs, num_q_heads, head_dim), q)
+    out = _output(out, (num_seqs, num_q_heads, v_head_dim), q)
     if num_seqs == 0:
         return out
 
-    block_n, num_warps, num_stages = decode_config(capability_of(q.device), head_dim, q.dtype)
+    block_n, num_warps, num_stages = decode_config(capability_of(q.device), head_dim, q.dtype, v_head_dim)
     if num_splits is None:
         max_seq_len = max_seq_len or block_tables.shape[1] << page_shift
         if window:
@@ -390,23 +462,24 @@ def paged_decode_attention(
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, block_n, num_sms(q.device))
     _check(1 <= num_splits <= 65535, f"num_splits must be in 1..65535, got {num_splits}")
 
-    partial_acc = torch.empty((num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+    partial_acc = torch.empty((num_seqs, num_q_heads, num_splits, v_head_dim), dtype=torch.float32,
+                              device=q.device)
     partial_max = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
     partial_sum = torch.empty_like(partial_max)
     paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, partial_acc, partial_max, partial_sum,
         scale * LOG2E, window, group, num_splits, page_shift,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
-        HEAD_DIM=head_dim, D_PAD=_padded(head_dim), BLOCK_N=block_n, DOT_PRECISION=_dot_precision(q.dtype),
+        **_dims(head_dim, v_head_dim), BLOCK_N=block_n, DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
     reduce_warps, reduce_stages = REDUCE_CONFIG
     paged_decode_reduce_kernel[(num_seqs, num_q_heads)](
-        partial_acc, partial_max, partial_sum, out, num_splits, out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, D_PAD=_padded(head_dim), SPLIT_BLOCK=SPLIT_BLOCK,
+        partial_acc, partial_max, partial_sum, sinks_arg, out, num_splits, out.stride(0), out.stride(1),
+        HEAD_DIM=v_head_dim, D_PAD=_padded(v_head_dim), SPLIT_BLOCK=SPLIT_BLOCK, HAS_SINKS=sinks is not None,
         num_warps=reduce_warps, num_stages=reduce_stages,
     )
-    return out
+    return _apply_value_scale(out, value_scale)
 
 
 def paged_prefill_attention(
@@ -420,10 +493,13 @@ def paged_prefill_attention(
     scale: float,
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    value_scale: float = 1.0,
 ) -> torch.Tensor:
     """Each sequence's new tokens q [T, Hq, D] (its last query_len positions) attend causally over its paged
-    context -> [T, Hq, D]. Reference: gpu_layers.reference.paged_attention. `max_query_len` (a host int, at least
-    the longest query) sizes the grid."""
+    context (K [.., D], V [.., Dv]) -> [T, Hq, Dv]. Reference: gpu_layers.reference.paged_attention.
+    `max_query_len` (a host int, at least the longest query) sizes the grid. `sinks` and `value_scale` as in
+    paged_decode_attention."""
     _check(seq_lens.dim() == 1, f"seq_lens must be 1-D [B], got shape {tuple(seq_lens.shape)}")
     num_seqs = seq_lens.shape[0]
     group, page_shift = _check_paged(q, k_cache, v_cache, block_tables, seq_lens, num_seqs)
@@ -433,138 +509,39 @@ def paged_prefill_attention(
     _check(query_start_loc.device == q.device, f"query_start_loc is on {query_start_loc.device}, q on {q.device}")
     _check(max_query_len >= 1, f"max_query_len must be >= 1, got {max_query_len}")
     window = _check_window(sliding_window)
+    sinks_arg = _check_sinks(sinks, q)
     num_tokens, num_q_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    out = _output(out, (num_tokens, num_q_heads, head_dim), q)
+    num_kv_heads, v_head_dim = k_cache.shape[2], v_cache.shape[3]
+    out = _output(out, (num_tokens, num_q_heads, v_head_dim), q)
     if num_seqs == 0 or num_tokens == 0:
         return out
 
-    block_m, block_n, num_warps, num_stages = prefill_config(capability_of(q.device), head_dim, q.dtype)
+    block_m, block_n, num_warps, num_stages = prefill_config(capability_of(q.device), head_dim, q.dtype,
+                                                             v_head_dim)
     grid = (triton.cdiv(max_query_len, block_m // group), num_seqs, num_kv_heads)
     paged_prefill_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
+        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, sinks_arg,
         scale * LOG2E, window, group, page_shift,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
-        HEAD_DIM=head_dim, D_PAD=_padded(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
-        DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
+        **_dims(head_dim, v_head_dim), BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=_dot_precision(q.dtype),
+        HAS_SINKS=sinks is not None, num_warps=num_warps, num_stages=num_stages,
     )
-    return out
+    return _apply_value_scale(out, value_scale)
 
 
 # ----------------------------------------------------------------------------------------------- gate, bench
 
 
-def _gate_case(kernel, dtype_name: str, constexprs: dict, capability: int, label: str, num_warps: int,
-               num_stages: int) -> GateCase:
-    """Argument types follow the naming: *_ptr are pointers (int32 metadata, fp32 partials, else the data
-    dtype), scale_log2 is fp32, other plain arguments are i32."""
-
-    def arg_type(name: str) -> str:
-        if name in constexprs:
-            return "constexpr"
-        if name in ("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr"):
-            return "*i32"
-        if name.startswith("partial_"):
-            return "*fp32"
-        if name.endswith("_ptr"):
-            return f"*{dtype_name}"
-        return "fp32" if name == "scale_log2" else "i32"
-
-    signature = {name: arg_type(name) for name in kernel.arg_names}
-    return GateCase(kernel, signature, constexprs, capability, label, num_warps, num_stages)
-
-
 def gate_cases() -> list[GateCase]:
-    """Every (kernel, dtype, head dim) config each capability's table can select. The GQA group, page size and
-    sliding window are runtime ints, so they add no variants."""
-    cases = []
-    for capability in DECODE_CONFIGS:
-        for dtype, name in SUPPORTED_DTYPES.items():
-            for head_dim in SUPPORTED_HEAD_DIMS:
-                dims = {"HEAD_DIM": head_dim, "D_PAD": _padded(head_dim)}
-                precision = {"DOT_PRECISION": _dot_precision(dtype)}
-                block_n, num_warps, num_stages = decode_config(capability, head_dim, dtype)
-                cases.append(_gate_case(paged_decode_kernel, name, {**dims, **precision, "BLOCK_N": block_n},
-                                        capability, f"paged_decode {name} D={head_dim} BLOCK_N={block_n}",
-                                        num_warps, num_stages))
-                cases.append(_gate_case(paged_decode_reduce_kernel, name, {**dims, "SPLIT_BLOCK": SPLIT_BLOCK},
-                                        capability, f"paged_decode_reduce {name} D={head_dim}", *REDUCE_CONFIG))
-                block_m, block_n, num_warps, num_stages = prefill_config(capability, head_dim, dtype)
-                cases.append(_gate_case(paged_prefill_kernel, name,
-                                        {**dims, **precision, "BLOCK_M": block_m, "BLOCK_N": block_n}, capability,
-                                        f"paged_prefill {name} D={head_dim} BLOCK_M={block_m} BLOCK_N={block_n}",
-                                        num_warps, num_stages))
-    return cases
+    """Every config the launchers can select (gpu_layers.attention_cases)."""
+    from gpu_layers import attention_cases
 
-
-def sdpa_decode_baseline(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """What a simple engine does: q [B, Hq, D] over contiguous k, v [B, Hkv, L, D] -> [B, Hq, D]."""
-    out = torch.nn.functional.scaled_dot_product_attention(q.unsqueeze(2), k, v, scale=scale, enable_gqa=True)
-    return out.squeeze(2)
-
-
-def _bench_tables(num_seqs: int, context: int, page_size: int, num_pages: int, device) -> torch.Tensor:
-    """Random (scattered) pages for num_seqs sequences of `context` tokens, out of a pool of num_pages."""
-    pages_per_seq = triton.cdiv(context, page_size)
-    pages = torch.randperm(num_pages, device=device)[: num_seqs * pages_per_seq]
-    return pages.view(num_seqs, pages_per_seq).to(torch.int32)
+    return attention_cases.gate()
 
 
 def bench_cases() -> list[tuple]:
-    """Qwen3-30B-A3B-like heads (Hq 32, Hkv 4, D 128, bf16, pages of 16). Decode cases count the KV bytes read
-    (plus q and out); each comes with the SDPA baseline over a contiguous copy of the same KV (made at its first
-    call). Prefill cases count the causal flops."""
-    device = torch.device("cuda")
-    num_q_heads, num_kv_heads, head_dim, page_size = 32, 4, 128, 16
-    scale = head_dim**-0.5
-    batches, contexts = (1, 8, 32, 64), (1024, 8192, 32768)
-    cache_shape = (max(batches) * max(contexts) // page_size, page_size, num_kv_heads, head_dim)
-    k_cache, v_cache = (torch.randn(cache_shape, dtype=torch.bfloat16, device=device) for _ in range(2))
-    cases = []
-    for num_seqs in batches:
-        for context in contexts:
-            tables = _bench_tables(num_seqs, context, page_size, k_cache.shape[0], device)
-            seq_lens = torch.full((num_seqs,), context, dtype=torch.int32, device=device)
-            q = torch.randn(num_seqs, num_q_heads, head_dim, dtype=torch.bfloat16, device=device)
-            out = torch.empty_like(q)
-            num_bytes = 2 * num_seqs * context * num_kv_heads * head_dim * 2 + 2 * q.numel() * 2
-            flops = 4 * num_seqs * num_q_heads * context * head_dim
-            run = functools.partial(paged_decode_attention, q, k_cache, v_cache, tables, seq_lens, scale, out=out,
-                                    max_seq_len=context)
-            cases.append((f"attention.paged_decode B={num_seqs} L={context}", run, num_bytes, flops))
-            cases.append((f"attention.sdpa_decode B={num_seqs} L={context}",
-                          _sdpa_case(q, k_cache, v_cache, tables, context, scale), num_bytes, flops))
-    for num_seqs, new, prefix in ((1, 2048, 0), (4, 512, 7680)):
-        cases.append(_prefill_case(num_seqs, new, prefix, num_q_heads, k_cache, v_cache, scale))
-    return cases
+    """Decode and prefill at Qwen3-30B-A3B-like heads, with the SDPA baseline (gpu_layers.attention_cases)."""
+    from gpu_layers import attention_cases
 
-
-def _sdpa_case(q, k_cache, v_cache, tables, context: int, scale: float):
-    copies = []
-
-    def run():
-        if not copies:  # [B, Hkv, L, D]: each sequence's pages laid out contiguously
-            for cache in (k_cache, v_cache):
-                pages = cache[tables.long()]  # [B, pages, P, Hkv, D]
-                copies.append(pages.flatten(1, 2)[:, :context].transpose(1, 2).contiguous())
-        return sdpa_decode_baseline(q, copies[0], copies[1], scale)
-
-    return run
-
-
-def _prefill_case(num_seqs: int, new: int, prefix: int, num_q_heads: int, k_cache, v_cache, scale: float):
-    device = k_cache.device
-    page_size, num_kv_heads, head_dim = k_cache.shape[1:]
-    context = prefix + new
-    tables = _bench_tables(num_seqs, context, page_size, k_cache.shape[0], device)
-    seq_lens = torch.full((num_seqs,), context, dtype=torch.int32, device=device)
-    query_start_loc = torch.arange(0, (num_seqs + 1) * new, new, dtype=torch.int32, device=device)
-    q = torch.randn(num_seqs * new, num_q_heads, head_dim, dtype=torch.bfloat16, device=device)
-    out = torch.empty_like(q)
-    visible_keys = num_seqs * (new * prefix + new * (new + 1) // 2)  # summed over the new tokens
-    flops = 4 * num_q_heads * head_dim * visible_keys
-    num_bytes = 2 * num_seqs * context * num_kv_heads * head_dim * 2 + 2 * q.numel() * 2
-    run = functools.partial(paged_prefill_attention, q, k_cache, v_cache, tables, seq_lens, query_start_loc, new,
-                            scale, out=out)
-    return f"attention.paged_prefill B={num_seqs} new={new} prefix={prefix}", run, num_bytes, flops
+    return attention_cases.bench()

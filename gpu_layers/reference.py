@@ -64,9 +64,11 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int)
 
 
 def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sliding_window: int | None = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [n, Hq, D] are the last n of L positions; k [L, Hkv, D], v [L, Hkv, Dv] -> [n, Hq, Dv]."""
+    """q [n, Hq, D] are the last n of L positions; k [L, Hkv, D], v [L, Hkv, Dv] -> [n, Hq, Dv]. `sinks` [Hq]: one
+    more logit per head in the softmax, whose probability is dropped (gpt-oss's eager attention)."""
     n, num_q_heads, _ = q.shape
     length, num_kv_heads, _ = k.shape
     group = num_q_heads // num_kv_heads
@@ -79,7 +81,12 @@ def causal_attention(
     if sliding_window is not None:
         masked |= k_pos <= q_pos - sliding_window
     scores = scores.masked_fill(masked, float("-inf"))
+    if sinks is not None:
+        sink_column = sinks.to(scores.dtype)[:, None, None].expand(num_q_heads, n, 1)
+        scores = torch.cat((scores, sink_column), dim=-1)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    if sinks is not None:
+        probs = probs[..., :-1]
     return torch.matmul(probs, v).transpose(0, 1)  # [n, Hq, Dv]
 
 
@@ -92,15 +99,18 @@ def paged_attention(
     query_lens: list[int],
     scale: float,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    value_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Attention of each sequence's new tokens q [T, Hq, D] over its cached context -> [T, Hq, Dv]."""
+    """Attention of each sequence's new tokens q [T, Hq, D] over its cached context -> [T, Hq, Dv]. `sinks` as in
+    causal_attention; `value_scale` multiplies V (MiMo's v_scale, applied before caching there)."""
     out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
     start = 0
     for b, (seq_len, query_len) in enumerate(zip(seq_lens, query_lens, strict=True)):
         k = gather_context(k_cache, block_tables[b], seq_len)
-        v = gather_context(v_cache, block_tables[b], seq_len)
+        v = gather_context(v_cache, block_tables[b], seq_len) * value_scale
         end = start + query_len
-        out[start:end] = causal_attention(q[start:end], k, v, scale, sliding_window)
+        out[start:end] = causal_attention(q[start:end], k, v, scale, sliding_window, sinks)
         start = end
     return out
 

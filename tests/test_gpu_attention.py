@@ -12,25 +12,26 @@ from gpu_layers import attention, reference
 MIXED_LENS = [1, 15, 16, 17, 33, 100]
 
 
-def make_paged_kv(seq_lens, num_kv_heads, head_dim, page_size, dtype, seed=0):
-    """K/V caches [pages, P, Hkv, D] holding each sequence's random entries on scattered pages, NaN elsewhere, and
-    block tables [B, pages + 1] (a padding column of page 0)."""
+def make_paged_kv(seq_lens, num_kv_heads, head_dim, page_size, dtype, seed=0, v_head_dim=None):
+    """K/V caches [pages, P, Hkv, D] (V [.., v_head_dim], default D) holding each sequence's random entries on
+    scattered pages, NaN elsewhere, and block tables [B, pages + 1] (a padding column of page 0)."""
     gen = torch.Generator().manual_seed(seed)
     pages_per_seq = [-(-n // page_size) for n in seq_lens]
     num_pages = sum(pages_per_seq) + 3
     order = torch.randperm(num_pages, generator=gen)
-    shape = (num_pages, page_size, num_kv_heads, head_dim)
-    k_cache = torch.full(shape, float("nan"), dtype=torch.float64)
-    v_cache = torch.full(shape, float("nan"), dtype=torch.float64)
+    shape = (num_pages, page_size, num_kv_heads)
+    k_cache = torch.full((*shape, head_dim), float("nan"), dtype=torch.float64)
+    v_cache = torch.full((*shape, v_head_dim or head_dim), float("nan"), dtype=torch.float64)
     tables = torch.zeros(len(seq_lens), max(pages_per_seq) + 1, dtype=torch.int32)
     start = 0
     for b, (seq_len, num) in enumerate(zip(seq_lens, pages_per_seq, strict=True)):
         tables[b, :num] = order[start:start + num].int()
         start += num
         for cache in (k_cache, v_cache):
-            flat = cache[tables[b, :num].long()].view(-1, num_kv_heads, head_dim)
-            flat[:seq_len] = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen, dtype=torch.float64)
-            cache[tables[b, :num].long()] = flat.view(num, page_size, num_kv_heads, head_dim)
+            dim = cache.shape[-1]
+            flat = cache[tables[b, :num].long()].view(-1, num_kv_heads, dim)
+            flat[:seq_len] = torch.randn(seq_len, num_kv_heads, dim, generator=gen, dtype=torch.float64)
+            cache[tables[b, :num].long()] = flat.view(num, page_size, num_kv_heads, dim)
     return k_cache.to(DEVICE, dtype), v_cache.to(DEVICE, dtype), tables.to(DEVICE)
 
 
@@ -112,8 +113,9 @@ def test_decode_reduce_rescales_across_steps():
     want = (weight[..., None] * part_acc).sum(2) / (weight * part_sum).sum(2)[..., None]
     out = poisoned(num_seqs, num_heads, head_dim)
     attention.paged_decode_reduce_kernel[(num_seqs, num_heads)](
-        part_acc.to(DEVICE), part_max.to(DEVICE), part_sum.to(DEVICE), out, num_splits, out.stride(0),
-        out.stride(1), HEAD_DIM=head_dim, D_PAD=head_dim, SPLIT_BLOCK=attention.SPLIT_BLOCK)
+        part_acc.to(DEVICE), part_max.to(DEVICE), part_sum.to(DEVICE), part_max.to(DEVICE), out, num_splits,
+        out.stride(0), out.stride(1), HEAD_DIM=head_dim, D_PAD=head_dim, SPLIT_BLOCK=attention.SPLIT_BLOCK,
+        HAS_SINKS=False)
     torch.testing.assert_close(out.cpu(), want, atol=1e-5, rtol=1e-5)
 
 

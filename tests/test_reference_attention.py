@@ -105,3 +105,24 @@ def test_mla_reference_matches_expanded_attention():
         expected = dense_attention(q, k, kv[..., nope:], 0.3)
         torch.testing.assert_close(out[start : start + new].double(), expected, rtol=1e-5, atol=1e-5)
         start += new
+
+
+def test_paged_attention_sinks_and_value_scale():
+    """A sink adds exp(s_h) to each softmax's denominator (its value is dropped); the value scale multiplies V.
+    Against the dense loops with the sink written out, q/k 12 and v 8, a window shorter than the context."""
+    num_heads, num_kv, dim, v_dim, window, value_scale = 4, 2, 12, 8, 6, 0.5
+    gen = torch.Generator().manual_seed(2)
+    length = 11
+    q, k = torch.randn(length, num_heads, dim, generator=gen), torch.randn(length, num_kv, dim, generator=gen)
+    v = torch.randn(length, num_kv, v_dim, generator=gen)
+    sinks = torch.randn(num_heads, generator=gen) * 2
+    k_cache, v_cache = k.view(length, 1, num_kv, dim), v.view(length, 1, num_kv, v_dim)
+    tables = torch.arange(length, dtype=torch.int32)[None]
+    out = reference.paged_attention(q, k_cache, v_cache, tables, [length], [length], 0.3, window, sinks, value_scale)
+    for i in range(length):
+        lo = max(0, i - window + 1)
+        for h in range(num_heads):
+            scores = (k[lo : i + 1, h // 2].double() @ q[i, h].double()) * 0.3
+            weights = scores.exp() / (scores.exp().sum() + sinks[h].double().exp())
+            want = weights @ (v[lo : i + 1, h // 2].double() * value_scale)
+            torch.testing.assert_close(out[i, h].double(), want, rtol=1e-5, atol=1e-5)
