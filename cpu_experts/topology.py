@@ -21,6 +21,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from cpu_experts import compile_cache
+
 _NODE_DIR = re.compile(r"node(\d+)")
 
 
@@ -161,9 +163,11 @@ WORKER_SPIN_COUNT = 1_000_000
 
 
 def set_worker_spin(spin_count: int = WORKER_SPIN_COUNT) -> None:
-    """Call after importing torch and before the first parallel kernel runs (libgomp reads the setting when numba
-    starts its pool; torch's pool has read it already and keeps its defaults); values already in the environment
-    win."""
+    """The process-wide settings of the kernels, applied once before the first kernel runs: the worker threads' spin
+    (libgomp reads it when numba starts its pool; torch's pool has read it already and keeps its defaults; values
+    already in the environment win), and numba's cache dropped if the kernels' sources changed since it was written
+    (`compile_cache`). Call after importing torch."""
+    compile_cache.refresh()
     os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")
     os.environ.setdefault("GOMP_SPINCOUNT", str(spin_count))
 

@@ -21,6 +21,14 @@ if IS_INTERPRETED:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_sessionstart(session):
+    """numba's cache of the CPU kernels dropped if a kernel module changed since it was written (`compile_cache`):
+    tests call kernels directly, before any of the runtime's entry points would."""
+    from cpu_experts import compile_cache
+
+    compile_cache.refresh()
+
+
 @pytest.fixture(autouse=True)
 def triton_interpreter_fixes(monkeypatch):
     if not IS_INTERPRETED:

@@ -158,3 +158,26 @@ def test_pin_current_thread_is_safe():
     assert pin_current_thread(()) is False and pin_current_thread(None) is False
     assert pin_current_thread([10**6]) is False  # a CPU that does not exist: ignored, not raised
     assert os.sched_getaffinity(0) == before
+
+
+def test_compile_cache_dropped_when_any_source_changes(tmp_path):
+    """numba keys a cached kernel by its own file only; `compile_cache.refresh` drops the package's cache when any
+    module changed (a caller's cache would otherwise keep a changed callee's old code)."""
+    from cpu_experts import compile_cache
+
+    (tmp_path / "kernels.py").write_text("A = 1\n")
+    (tmp_path / "pool.py").write_text("B = 1\n")
+    cache = tmp_path / "__pycache__"
+    cache.mkdir()
+
+    def fake_cache():
+        for name in ("pool._serve-1.py311.nbi", "pool._serve-1.py311.1.nbc"):
+            (cache / name).write_bytes(b"x")
+
+    fake_cache()
+    assert compile_cache.refresh(tmp_path) and not list(cache.glob("*.nb?"))  # no stamp: unknown sources
+    fake_cache()
+    assert not compile_cache.refresh(tmp_path) and len(list(cache.glob("*.nb?"))) == 2  # unchanged: kept
+    (tmp_path / "kernels.py").write_text("A = 2\n")  # the callee only
+    assert compile_cache.refresh(tmp_path) and not list(cache.glob("*.nb?"))
+    assert not compile_cache.refresh(tmp_path)
