@@ -50,6 +50,24 @@ def _row_pointer(g, ty, val, indices, elem):
     return g.b.bitcast(g.b.gep(g.b.bitcast(array.data, ir.IntType(8).as_pointer()), [offset]), elem.as_pointer())
 
 
+def _operands(g, sig, args, weights):
+    """The intrinsic's row pointers: each weight row and its scales (with whether they are bfloat16 bits), the
+    activation row's x_even, x_odd and corrections; and num_units, half."""
+    num_arrays = 1 + max(max(w, s) for w, s, _ in weights)
+    e, n, _, _, x_corr, t, num_units, half = args[num_arrays:]
+    ty = dict(enumerate(sig.args))
+    rows, scales = [], []
+    for w_arg, s_arg, offset in weights:
+        row = g.b.add(n, ir.Constant(n.type, offset))
+        rows.append(_row_pointer(g, ty[w_arg], args[w_arg], (e, row), ir.IntType(8)))
+        is_bf16 = ty[s_arg].dtype == types.uint16
+        scales.append((_row_pointer(g, ty[s_arg], args[s_arg], (e, row), I16 if is_bf16 else F32), is_bf16))
+    x_index = num_arrays + 2
+    xe_ptr, xo_ptr = (_row_pointer(g, ty[x_index + k], args[x_index + k], (t,), ir.IntType(8)) for k in range(2))
+    corr = _row_pointer(g, ty[x_index + 2], x_corr, (t,), ir.IntType(32))
+    return rows, scales, xe_ptr, xo_ptr, corr, num_units, half
+
+
 def _int4_codegen(weights: tuple[tuple[int, int, int], ...], groups_per_vector: int):
     """Intrinsic arguments: weight and scale arrays [E, N, ...], then e, n, x_even, x_odd, x_corr ([T, ...]), t,
     num_units, half. `weights`: (weight argument, scale argument, row offset) of each row dotted: row n + offset of
@@ -62,18 +80,7 @@ def _int4_codegen(weights: tuple[tuple[int, int, int], ...], groups_per_vector: 
 
     def codegen(context, builder, sig, args):
         g = _IR(context, builder)
-        num_arrays = 1 + max(max(w, s) for w, s, _ in weights)
-        e, n, x_even, x_odd, x_corr, t, num_units, half = args[num_arrays:]
-        ty = dict(enumerate(sig.args))
-        rows, scales = [], []
-        for w_arg, s_arg, offset in weights:
-            row = builder.add(n, ir.Constant(n.type, offset))
-            rows.append(_row_pointer(g, ty[w_arg], args[w_arg], (e, row), ir.IntType(8)))
-            is_bf16 = ty[s_arg].dtype == types.uint16
-            scales.append((_row_pointer(g, ty[s_arg], args[s_arg], (e, row), I16 if is_bf16 else F32), is_bf16))
-        x_index = num_arrays + 2
-        xe_ptr, xo_ptr = (_row_pointer(g, ty[x_index + k], args[x_index + k], (t,), ir.IntType(8)) for k in range(2))
-        corr = _row_pointer(g, ty[x_index + 2], x_corr, (t,), ir.IntType(32))
+        rows, scales, xe_ptr, xo_ptr, corr, num_units, half = _operands(g, sig, args, weights)
         step, lanes = ir.Constant(half.type, VECTOR_BYTES), ir.Constant(half.type, width)
         nibble, four = ir.Constant(vi, [0x0F0F0F0F] * width), ir.Constant(vi, [4] * width)
         lanes_per_group = width // groups_per_vector
