@@ -12,7 +12,7 @@ output and the partials are summed. Two paths, chosen per call by token count:
   Per-channel int8 experts multiply int8 x int8: our AMX grouped GEMM where the CPU has AMX
   (`cpu_experts.prefill_amx`), else oneDNN per expert (`cpu_experts.prefill_int8`). The float formats multiply bf16
   x bf16 on AMX-BF16 (`cpu_experts.prefill_amx_float`). Other experts are each dequantized once per call and
-  multiplied by PyTorch (`cpu_experts.prefill`).
+  multiplied by PyTorch (`cpu_experts.prefill`). Which one a layer takes is decided once, in `select_prefill`.
 The float formats (FP8) compute on bfloat16 activations whatever `int8_activations` says: each matmul's input is
 rounded to bf16 on both paths, products and sums in float32 (the format's published contract).
 """
@@ -118,15 +118,10 @@ class CpuMoE:
         self.spec = layer.spec
         self.is_w8a8 = self.spec.dtype not in ("bf16", *FLOAT_DECODE) and int8_activations
         workspace = workspace or Workspace()
-        self.integer_prefill = _integer_prefill(layer, workspace) if self.is_w8a8 else None
-        self.float_prefill = _float_prefill(layer, workspace) if self.spec.dtype in FLOAT_DECODE else None
+        self.prefill, is_amx = select_prefill(layer, workspace, self.is_w8a8)
         if prefill_min_tokens is None:
-            is_amx = self.float_prefill is not None or isinstance(
-                self.integer_prefill, (prefill_amx.AmxPrefill, prefill_amx_grouped.GroupedAmxPrefill))
             prefill_min_tokens = (AMX_PREFILL_MIN_TOKENS if is_amx else PREFILL_MIN_TOKENS)[self.spec.dtype]
         self.prefill_min_tokens = prefill_min_tokens
-        self.dequant_prefill = DequantPrefill(layer, workspace, round_activations=self.is_w8a8,
-                                              bf16_activations=self.spec.dtype in FLOAT_DECODE)
         self.is_vnni = self.is_w8a8 and kernels_vnni.has_vnni()  # integer decode kernels (same results)
 
     def __call__(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -136,12 +131,10 @@ class CpuMoE:
             decode = self._decode_float if self.spec.dtype in FLOAT_DECODE else \
                 self._decode_vnni if self.is_vnni else self._decode
             return torch.from_numpy(decode(_float32(hidden), routing)).to(hidden.dtype)
-        if self.integer_prefill is not None:
-            return torch.from_numpy(self.integer_prefill(_float32(hidden), routing)).to(hidden.dtype)
-        if self.float_prefill is not None:
-            return torch.from_numpy(self.float_prefill(_float32(hidden), routing)).to(hidden.dtype)
-        dtype = hidden.dtype if hidden.dtype in (torch.bfloat16, torch.float32) else torch.float32
-        return self.dequant_prefill(hidden.detach().to(dtype), routing).to(hidden.dtype)
+        if isinstance(self.prefill, DequantPrefill):  # PyTorch matmuls, in the activations' dtype
+            dtype = hidden.dtype if hidden.dtype in (torch.bfloat16, torch.float32) else torch.float32
+            return self.prefill(hidden.detach().to(dtype), routing).to(hidden.dtype)
+        return torch.from_numpy(self.prefill(_float32(hidden), routing)).to(hidden.dtype)
 
     def _check(self, hidden, topk_ids, topk_weights) -> None:
         if hidden.dim() != 2 or hidden.shape[1] != self.spec.hidden_size:
@@ -204,24 +197,24 @@ class CpuMoE:
         return out
 
 
-def _integer_prefill(layer: PackedLayer, workspace: Workspace):
-    """The int8 x int8 prefill for this layer's format on this CPU, or None (dequantize-and-multiply)."""
-    has_amx = prefill_amx.has_amx()
-    if has_amx and prefill_amx.is_supported(layer):
-        return prefill_amx.AmxPrefill(layer, workspace)
-    if has_amx and prefill_amx_grouped.is_supported(layer):
-        return prefill_amx_grouped.GroupedAmxPrefill(layer, workspace)
-    if layer.spec.dtype == "int8" and layer.spec.group_size == 0:
-        return Int8Prefill(layer, workspace)
-    return None
-
-
-def _float_prefill(layer: PackedLayer, workspace: Workspace):
-    """The AMX-BF16 prefill of a float-format layer (FP8, MXFP4, NVFP4) where the CPU has it and the layer's sizes
-    fit the tiles, or None (dequantize-and-multiply)."""
-    if prefill_amx_float.has_amx_bf16() and prefill_amx_float.is_supported(layer):
-        return prefill_amx_float.FloatAmxPrefill(layer, workspace)
-    return None
+def select_prefill(layer: PackedLayer, workspace: Workspace, is_w8a8: bool):
+    """The matmul path of a layer's many-token calls, chosen here alone from its format and this CPU's features:
+    (backend, is_amx). W8A8 int8/int4: our AMX grouped GEMMs (`prefill_amx`, `prefill_amx_grouped`) where the CPU
+    has AMX-INT8, else oneDNN for per-channel int8 (`prefill_int8`); the float formats: the AMX-BF16 grouped GEMM
+    (`prefill_amx_float`); everything else, and layers whose sizes the tiles do not fit: each routed expert
+    dequantized and multiplied by PyTorch (`DequantPrefill`, on the formats' activation grid)."""
+    spec = layer.spec
+    is_float = spec.dtype in FLOAT_DECODE
+    if is_float and prefill_amx_float.has_amx_bf16() and prefill_amx_float.is_supported(layer):
+        return prefill_amx_float.FloatAmxPrefill(layer, workspace), True
+    if is_w8a8 and prefill_amx.has_amx():
+        if prefill_amx.is_supported(layer):
+            return prefill_amx.AmxPrefill(layer, workspace), True
+        if prefill_amx_grouped.is_supported(layer):
+            return prefill_amx_grouped.GroupedAmxPrefill(layer, workspace), True
+    if is_w8a8 and spec.dtype == "int8" and spec.group_size == 0:
+        return Int8Prefill(layer, workspace), False
+    return DequantPrefill(layer, workspace, round_activations=is_w8a8, bf16_activations=is_float), False
 
 
 def _float32(hidden: torch.Tensor) -> np.ndarray:

@@ -24,7 +24,7 @@ from cpu_experts import formats, prefill_amx_float
 from cpu_experts.expert_file import ALLOWED_SCALES, ExpertLayerSpec, dequantize_matrix
 from cpu_experts.operator import CpuMoE, route
 from cpu_experts.packed import PackedLayer
-from cpu_experts.prefill import Workspace
+from cpu_experts.prefill import DequantPrefill, Workspace
 from cpu_experts.reference import moe_reference
 
 E, H, I = 8, 256, 192  # noqa: E741 (the shape letters of the project)
@@ -156,7 +156,7 @@ def test_refuses_sizes_off_the_tiles(fmt, group, hidden, inter):
     assert not prefill_amx_float.is_supported(layer)
     with pytest.raises(ValueError, match="multiples of 32"):
         prefill_amx_float.FloatAmxPrefill(layer, Workspace())
-    assert CpuMoE(layer).float_prefill is None
+    assert isinstance(CpuMoE(layer).prefill, DequantPrefill)
 
 
 def test_launcher_checks_its_inputs(layers):
@@ -185,14 +185,14 @@ def test_operator_takes_the_path_on_amx_bf16(kernels, layers, monkeypatch, is_am
     op = CpuMoE(layer)
     assert not op.is_w8a8
     if not is_amx_bf16:
-        assert op.float_prefill is None and op.prefill_min_tokens == operator.PREFILL_MIN_TOKENS["fp8"]
+        assert isinstance(op.prefill, DequantPrefill) and op.prefill_min_tokens == operator.PREFILL_MIN_TOKENS["fp8"]
         return
-    assert isinstance(op.float_prefill, prefill_amx_float.FloatAmxPrefill)
+    assert isinstance(op.prefill, prefill_amx_float.FloatAmxPrefill)
     assert op.prefill_min_tokens == operator.AMX_PREFILL_MIN_TOKENS["fp8"] == 32
-    op.float_prefill.gate_up, op.float_prefill.down = kernels
+    op.prefill.gate_up, op.prefill.down = kernels
     calls = []
-    real = op.float_prefill.__call__
-    monkeypatch.setattr(op, "float_prefill", lambda x, r: calls.append(len(x)) or real(x, r))
+    real = op.prefill.__call__
+    monkeypatch.setattr(op, "prefill", lambda x, r: calls.append(len(x)) or real(x, r))
     ids, w = routing(40, 8, 7)
     x = torch.randn(40, H, generator=torch.Generator().manual_seed(7))
     got = op(x, ids, w)
