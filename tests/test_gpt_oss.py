@@ -154,3 +154,16 @@ def test_cpu_expert_placement_is_refused(tmp_path):
     make_gpt_oss(tmp_path)
     with pytest.raises(ConfigError, match="expert_placement=device"):
         LLM(tmp_path, dtype="float32", expert_placement="cpu")
+
+
+def test_kernel_path_matches_transformers(tmp_path):
+    """`kernels="triton"` (under the interpreter without a GPU): the prefill and split-K decode attention kernels
+    with sinks and per-layer windows, head_dim 64 as the kernels take it; the 19-token prompt crosses a KV page."""
+    from gpu_support import DEVICE
+
+    ref = make_gpt_oss(tmp_path, head_dim=64).to(DEVICE)
+    llm = LLM(tmp_path, device=str(DEVICE), dtype="float32", kernels="triton", expert_placement="device")
+    assert all(isinstance(layer.self_attn.backend, TritonAttentionBackend) for layer in llm.model.model.layers)
+    ids = prompt(19, seed=4)
+    assert_logits_close(llm.prefill_logits(ids), hf_logits(ref, ids).to(DEVICE), "gpt-oss kernels prefill")
+    assert llm.generate(ids, 8, ignore_eos=True) == hf_generate(ref, ids, 8)
