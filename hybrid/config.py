@@ -50,6 +50,8 @@ class AttentionConfig:
     # the whole projection output, all heads' H*D values at once (MiniMax-M2: q_norm weight [H*D]).
     qk_norm: str = "none"
     sliding_window: int | None = None
+    # A learned per-head logit in every softmax denominator (`self_attn.sinks` [Hq], gpt-oss), probability dropped
+    has_sinks: bool = False
     # MLA only
     q_lora_rank: int | None = None
     kv_lora_rank: int = 0

@@ -33,6 +33,7 @@ EMBED_STD = 1.0
 BIAS_STD = 0.1
 NORM_MEAN, NORM_STD = 1.0, 0.1
 SCORE_BIAS_STD = 0.1  # e_score_correction_bias: comparable to the spread of sigmoid router scores
+SINK_STD = 1.0  # attention sinks (gpt-oss): logits as large as the attention scores, so that they matter
 
 FP8_BLOCK = 128
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value
@@ -225,6 +226,8 @@ def reinitialize(model: torch.nn.Module, *, seed: int) -> None:
             normal(param, NORM_MEAN, NORM_STD)
         elif name.endswith("bias"):
             normal(param, 0.0, BIAS_STD)
+        elif name.endswith(".sinks"):  # transformers initialises them to zero (no effect on the output): set them
+            normal(param, 0.0, SINK_STD)
         else:
             raise AssertionError(f"no initialisation rule for parameter {name} {tuple(param.shape)}")
     for name, buf in sorted(model.named_buffers()):

@@ -24,7 +24,7 @@ transformers.logging.set_verbosity_error()
 
 REGISTERED = {"Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "DeepseekV3ForCausalLM",
               "DeepseekV2ForCausalLM", "Glm4MoeForCausalLM", "KimiK25ForConditionalGeneration", "MiniMaxM2ForCausalLM",
-              "Glm4MoeLiteForCausalLM"}
+              "Glm4MoeLiteForCausalLM", "GptOssForCausalLM"}
 
 
 @pytest.fixture(scope="module")

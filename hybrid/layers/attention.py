@@ -1,6 +1,6 @@
-"""Grouped-query attention (Qwen, Mixtral, GLM, MiniMax): optional q/k/v bias, QK RMSNorm per head or over the
-whole projection (`AttentionConfig.qk_norm`), partial rotary, sliding window. The paged KV cache is bound by the
-runner (`kv_cache`), the math lives in the backend."""
+"""Grouped-query attention (Qwen, Mixtral, GLM, MiniMax, gpt-oss): optional q/k/v bias, QK RMSNorm per head or over
+the whole projection (`AttentionConfig.qk_norm`), partial rotary, sliding window, attention sinks. The paged KV
+cache is bound by the runner (`kv_cache`), the math lives in the backend."""
 
 from __future__ import annotations
 
@@ -26,6 +26,8 @@ class GQAAttention(nn.Module):
             is_whole = cfg.qk_norm == "whole"
             self.q_norm = RMSNorm(q_size if is_whole else cfg.head_dim, eps, rotary.ops)
             self.k_norm = RMSNorm(kv_size if is_whole else cfg.head_dim, eps, rotary.ops)
+        if cfg.has_sinks:
+            self.sinks = nn.Parameter(torch.empty(cfg.num_heads))
         self.rotary = rotary
         self.backend = backend
         self.kv_cache: tuple[torch.Tensor, ...] = ()
@@ -45,5 +47,7 @@ class GQAAttention(nn.Module):
         if cfg.qk_norm == "per_head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(batch.positions, q, k)
-        out = self.backend.gqa(q, k, v, self.kv_cache, batch, cfg.scale, cfg.sliding_window)
+        # the kernels take float32 sinks; a bf16 checkpoint's values widen exactly
+        sinks = self.sinks.float() if cfg.has_sinks else None
+        out = self.backend.gqa(q, k, v, self.kv_cache, batch, cfg.scale, cfg.sliding_window, sinks)
         return self.o_proj(out.reshape(num_tokens, cfg.num_heads * cfg.head_dim))

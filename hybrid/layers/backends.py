@@ -40,12 +40,15 @@ class TorchAttentionBackend:
         batch: ForwardBatch,
         scale: float,
         sliding_window: int | None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """`sinks`: float32 [Hq] logits, one more per head in each softmax denominator (gpt-oss), or None."""
         k_cache, v_cache = kv_cache
         reference.write_kv_cache(k_cache, k, batch.slot_mapping)
         reference.write_kv_cache(v_cache, v, batch.slot_mapping)
         return reference.paged_attention(
-            q, k_cache, v_cache, batch.block_tables, batch.seq_lens_cpu, batch.query_lens_cpu, scale, sliding_window
+            q, k_cache, v_cache, batch.block_tables, batch.seq_lens_cpu, batch.query_lens_cpu, scale, sliding_window,
+            sinks,
         )
 
     def mla(
@@ -89,17 +92,18 @@ class TritonAttentionBackend:
         return (cfg.head_dim == cfg.v_head_dim and cfg.head_dim in attention.SUPPORTED_HEAD_DIMS
                 and cfg.num_heads // cfg.num_kv_heads <= attention.MAX_GROUP)
 
-    def gqa(self, q, k, v, kv_cache, batch: ForwardBatch, scale: float, sliding_window: int | None) -> torch.Tensor:
+    def gqa(self, q, k, v, kv_cache, batch: ForwardBatch, scale: float, sliding_window: int | None,
+            sinks: torch.Tensor | None = None) -> torch.Tensor:
         k_cache, v_cache = kv_cache
         self.kv_cache.write_kv_cache(k_cache, k, batch.slot_mapping)
         self.kv_cache.write_kv_cache(v_cache, v, batch.slot_mapping)
         if max(batch.query_lens_cpu) == 1:
             return self.attention.paged_decode_attention(
                 q, k_cache, v_cache, batch.block_tables, batch.seq_lens, scale, sliding_window,
-                max_seq_len=max(batch.seq_lens_cpu))
+                max_seq_len=max(batch.seq_lens_cpu), sinks=sinks)
         return self.attention.paged_prefill_attention(
             q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
-            max(batch.query_lens_cpu), scale, sliding_window)
+            max(batch.query_lens_cpu), scale, sliding_window, sinks=sinks)
 
     def mla(self, q_nope, q_rope, latent, kv_cache, w_kv_b, batch: ForwardBatch, scale: float,
             v_head_dim: int) -> torch.Tensor:

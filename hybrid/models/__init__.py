@@ -13,6 +13,7 @@ from hybrid.models.base import MoECausalLM
 from hybrid.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from hybrid.models.glm4_moe import Glm4MoeForCausalLM
 from hybrid.models.glm4_moe_lite import Glm4MoeLiteForCausalLM
+from hybrid.models.gpt_oss import GptOssForCausalLM
 from hybrid.models.kimi import KimiK25ForConditionalGeneration
 from hybrid.models.minimax import MiniMaxM2ForCausalLM
 from hybrid.models.mixtral import MixtralForCausalLM
@@ -28,6 +29,7 @@ MODEL_REGISTRY: dict[str, type[MoECausalLM]] = {
     "Glm4MoeLiteForCausalLM": Glm4MoeLiteForCausalLM,  # GLM-4.7-Flash
     "KimiK25ForConditionalGeneration": KimiK25ForConditionalGeneration,  # Kimi-K2.5 / K2.6 (the Hub's spelling)
     "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,  # MiniMax-M2, M2.1, M2.5, M2.7
+    "GptOssForCausalLM": GptOssForCausalLM,  # gpt-oss-20b, gpt-oss-120b
 }
 SUPPORTED_ARCHITECTURES = tuple(sorted(MODEL_REGISTRY))
 

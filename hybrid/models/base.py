@@ -62,7 +62,7 @@ class MoECausalLM(nn.Module):
         rotary = RotaryEmbedding(config.rope, backends.ops)
         self.model.layers = nn.ModuleList(
             DecoderLayer(
-                self._make_attention(rotary, backends),
+                self._make_attention(i, rotary, backends),
                 self._make_ff(i, backends),
                 self.ff_name,
                 config.hidden_size,
@@ -80,7 +80,7 @@ class MoECausalLM(nn.Module):
     def parse_config(cls, raw: RawConfig, checkpoint_dir=None) -> ModelConfig:
         raise NotImplementedError
 
-    def _make_attention(self, rotary: RotaryEmbedding, backends: Backends) -> nn.Module:
+    def _make_attention(self, layer_idx: int, rotary: RotaryEmbedding, backends: Backends) -> nn.Module:
         cfg = self.config
         if cfg.attention.kind == "mla":
             return MLAAttention(cfg.attention, cfg.hidden_size, rotary, backends.attention)

@@ -1,0 +1,169 @@
+"""gpt-oss (`GptOssForCausalLM`) against transformers' own modeling_gpt_oss on the CPU reference path.
+
+The tiny checkpoint is what `save_pretrained` writes (fused experts `gate_up_proj` [E, H, 2I] + biases, router with a
+bias, `self_attn.sinks`), with random sinks (transformers zero-initialises them), sliding and full layers in an
+irregular order, a window (5) shorter than the longer prompts, YaRN with `truncate: false`, and the experts' gate/up
+scaled up so that the clamp at 7 is reached. Checked: float32 prefill logits (1, 7 and 33 tokens, crossing KV pages
+of 16) within 1e-4 of max |logit|, 32 greedy tokens against `generate`, and the pieces one at a time (sinks and
+windows through both attention backends, the activation, the router).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+from checkpoints import build_model, hf_generate, hf_logits, prompt
+from test_models_parity import GEN_PROMPT, NEW_TOKENS, PREFILL_LENGTHS, assert_logits_close, assert_same_tokens
+
+from gpu_layers import reference
+from hybrid import LLM
+from hybrid.errors import ConfigError
+from hybrid.forward_batch import ForwardBatch, SequenceSlice
+from hybrid.layers.backends import TorchAttentionBackend, TritonAttentionBackend
+from hybrid.models import load_model_config
+from hybrid.models.gpt_oss import GptOssExperts, GptOssForCausalLM
+
+transformers.logging.set_verbosity_error()
+
+SEED = 2020
+LAYER_TYPES = ["sliding_attention", "full_attention", "full_attention", "sliding_attention", "sliding_attention"]
+WINDOW = 5
+GATE_UP_GAIN = 4.0  # puts a good share of gate/up values past the clamp at 7
+
+
+def gpt_oss_config(**overrides) -> transformers.GptOssConfig:
+    values = dict(
+        vocab_size=256, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_hidden_layers=len(LAYER_TYPES), layer_types=LAYER_TYPES, sliding_window=WINDOW, num_local_experts=8,
+        num_experts_per_tok=2, intermediate_size=32, max_position_embeddings=256, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64},
+    )
+    values.update(overrides)
+    return transformers.GptOssConfig(**values)
+
+
+def make_gpt_oss(path, **overrides):
+    model = build_model(gpt_oss_config(**overrides), seed=SEED)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.experts.gate_up_proj.mul_(GATE_UP_GAIN)
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gpt_oss")
+    ref = make_gpt_oss(path)
+    return ref, LLM(path, dtype="float32", expert_placement="device")
+
+
+def test_config_follows_the_checkpoint(gpt_oss):
+    _, llm = gpt_oss
+    cfg = llm.config
+    assert cfg.layer_types == tuple(LAYER_TYPES)
+    windows = [layer.self_attn.cfg.sliding_window for layer in llm.model.model.layers]
+    assert windows == [WINDOW if t == "sliding_attention" else None for t in LAYER_TYPES]
+    assert cfg.attention.has_sinks and cfg.attention.has_qkv_bias and cfg.attention.has_o_bias
+    assert cfg.rope.scaling_type == "yarn" and cfg.rope.truncate is False
+
+
+@pytest.mark.parametrize("length", PREFILL_LENGTHS)
+def test_prefill_logits_match_transformers(gpt_oss, length):
+    ref, llm = gpt_oss
+    ids = prompt(length, seed=300 + length)
+    assert_logits_close(llm.prefill_logits(ids), hf_logits(ref, ids), f"gpt-oss prefill of {length}")
+
+
+def test_greedy_generation_matches_transformers(gpt_oss):
+    ref, llm = gpt_oss
+    expected = hf_generate(ref, GEN_PROMPT, NEW_TOKENS)
+    ours = llm.generate(GEN_PROMPT, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    assert_same_tokens(ours, expected, None, "gpt-oss greedy")
+
+
+def test_clamp_is_reached(gpt_oss):
+    """The checkpoint exercises the clamp: some gate/up pre-activations of the prompt lie beyond 7."""
+    ref, _ = gpt_oss
+    seen = []
+    hook = ref.model.layers[0].mlp.experts.register_forward_hook(
+        lambda mod, args, out: seen.append(args[0] @ mod.gate_up_proj[0] + mod.gate_up_proj_bias[0]))
+    try:
+        hf_logits(ref, prompt(7, seed=307))
+    finally:
+        hook.remove()
+    assert (seen[0].abs() > 7).float().mean() > 0.05
+
+
+def test_activation_matches_transformers():
+    experts = transformers.models.gpt_oss.modeling_gpt_oss.GptOssExperts(gpt_oss_config())
+    gate_up = torch.linspace(-20, 20, 2 * 40).reshape(2, 40)[:, torch.randperm(40, generator=torch.Generator()
+                                                                                  .manual_seed(1))]
+    assert torch.equal(GptOssExperts.activation(gate_up), experts._apply_gate(gate_up))
+
+
+def _paged_case(num_tokens: int, num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 64, block: int = 16):
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(num_tokens, h, head_dim, generator=gen) for h in (num_heads, num_kv_heads, num_kv_heads))
+    num_blocks = -(-num_tokens // block)
+    caches = tuple(torch.zeros(num_blocks, block, num_kv_heads, head_dim) for _ in range(2))
+    batch = ForwardBatch.build([SequenceSlice(0, num_tokens, list(range(num_blocks)))], block, "cpu")
+    sinks = torch.randn(num_heads, generator=gen) * 2
+    return q, k, v, caches, batch, sinks
+
+
+def test_backends_pass_sinks_to_the_attention():
+    """Both backends apply the sinks they are given (the Triton one under the interpreter here); without sinks the
+    output differs, so a backend that dropped them would fail."""
+    q, k, v, caches, batch, sinks = _paged_case(20)
+    expected = reference.causal_attention(q, k, v, 0.125, WINDOW, sinks)
+    torch_out = TorchAttentionBackend().gqa(q, k, v, caches, batch, 0.125, WINDOW, sinks)
+    torch.testing.assert_close(torch_out, expected)
+    assert not torch.allclose(TorchAttentionBackend().gqa(q, k, v, caches, batch, 0.125, WINDOW), expected)
+    triton_out = TritonAttentionBackend().gqa(q, k, v, tuple(c.clone() for c in caches), batch, 0.125, WINDOW, sinks)
+    torch.testing.assert_close(triton_out, expected, atol=2e-5, rtol=1e-4)
+
+
+def test_layer_types_are_checked(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(gpt_oss_config().to_dict() | {
+        "architectures": ["GptOssForCausalLM"], "layer_types": ["sliding_attention", "chunked_attention"]}))
+    with pytest.raises(ConfigError, match="layer_types.*one type per layer"):
+        load_model_config(tmp_path)
+    config = gpt_oss_config().to_dict() | {"architectures": ["GptOssForCausalLM"]}
+    config["layer_types"] = ["chunked_attention"] * len(LAYER_TYPES)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="chunked_attention.*not supported"):
+        load_model_config(tmp_path)
+
+
+def test_default_layer_types_alternate_and_hidden_act_is_ignored(tmp_path):
+    config = gpt_oss_config().to_dict() | {"architectures": ["GptOssForCausalLM"], "hidden_act": "gelu"}
+    del config["layer_types"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    cls, parsed = load_model_config(tmp_path)
+    assert cls is GptOssForCausalLM
+    assert parsed.layer_types == tuple("sliding_attention" if i % 2 == 0 else "full_attention"
+                                       for i in range(len(LAYER_TYPES)))
+
+
+def test_cpu_expert_placement_is_refused(tmp_path):
+    make_gpt_oss(tmp_path)
+    with pytest.raises(ConfigError, match="expert_placement=device"):
+        LLM(tmp_path, dtype="float32", expert_placement="cpu")
+
+
+def test_kernel_path_matches_transformers(tmp_path):
+    """`kernels="triton"` (under the interpreter without a GPU): the prefill and split-K decode attention kernels
+    with sinks and per-layer windows, head_dim 64 as the kernels take it; the 19-token prompt crosses a KV page."""
+    from gpu_support import DEVICE
+
+    ref = make_gpt_oss(tmp_path, head_dim=64).to(DEVICE)
+    llm = LLM(tmp_path, device=str(DEVICE), dtype="float32", kernels="triton", expert_placement="device")
+    assert all(isinstance(layer.self_attn.backend, TritonAttentionBackend) for layer in llm.model.model.layers)
+    ids = prompt(19, seed=4)
+    assert_logits_close(llm.prefill_logits(ids), hf_logits(ref, ids).to(DEVICE), "gpt-oss kernels prefill")
+    assert llm.generate(ids, 8, ignore_eos=True) == hf_generate(ref, ids, 8)
