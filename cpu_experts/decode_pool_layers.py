@@ -13,6 +13,7 @@ from numba import carray, njit
 
 from cpu_experts.atomics import float32_pointer, pointer_like, uint8_pointer
 from cpu_experts.decode_pool_sync import _barrier, _share
+from cpu_experts.kernels import round_bf16
 from cpu_experts.kernels_fp4 import (
     down_rows_mxfp4,
     down_rows_nvfp4,
@@ -20,7 +21,7 @@ from cpu_experts.kernels_fp4 import (
     gate_up_rows_nvfp4,
     split_bf16_row,
 )
-from cpu_experts.kernels_fp8 import down_rows_fp8, gate_up_rows_fp8, round_bf16
+from cpu_experts.kernels_fp8 import down_rows_fp8, gate_up_rows_fp8
 from cpu_experts.kernels_vnni_int4 import down_rows_int4, gate_up_rows_int4, num_corrections, quantize_int4_row
 
 # Columns of the slot table (one row per partition of a layer): the arrays' addresses, then their dimensions

@@ -40,6 +40,30 @@ def _as_float32(typingctx, bits):
     return types.float32(types.int32), codegen
 
 
+@intrinsic
+def float32_bits(typingctx, value):
+    """The int32 bit pattern of the float32 `value` (the inverse of `_as_float32`)."""
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+    return types.int32(types.float32), codegen
+
+
+@njit(fastmath=True, nogil=True, cache=True, error_model="numpy")
+def round_bf16(value):
+    """float32 -> the nearest bfloat16 (ties to even, as torch rounds), as a float32; NaN stays NaN. The float
+    formats' activation rounding, on every path of theirs."""
+    bits = np.int64(float32_bits(np.float32(value)))
+    if (bits & 0x7FFFFFFF) > 0x7F800000:
+        return np.float32(value)
+    return _as_float32(np.int32((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536))
+
+
+@njit(fastmath=True, nogil=True, cache=True, error_model="numpy")
+def bf16_bits(value):
+    """float32 -> the bits of the nearest bfloat16 (`round_bf16`'s value)."""
+    return np.uint16((np.int64(float32_bits(round_bf16(value))) >> 16) & 0xFFFF)
+
+
 def scale_value(scale):
     """A weight scale as float32: a float32 as it is, a bfloat16 (an element of a uint16 array: its bits) widened,
     exactly. For numba-compiled kernels only, which take either scale array."""

@@ -25,11 +25,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import njit, prange
 from numba.extending import intrinsic
 
 from cpu_experts import formats
-from cpu_experts.kernels import _as_float32
+from cpu_experts.kernels import round_bf16
 from cpu_experts.kernels_fp4_ir import E2M1_TWICE, FOUR_ROWS, ONE_ROW, TWO_ROWS, _fp4_codegen, _signature
 
 # error_model="numpy": no ZeroDivisionError paths for `//` and `%`, whose raising exits kept numba from pruning the
@@ -110,23 +110,6 @@ def dot4_nvfp4(typingctx, w, s, e, n, table, x_even, x_odd, t):
 
 
 # ---- activations -----------------------------------------------------------------------------------------------
-
-@intrinsic
-def _float_bits(typingctx, value):
-    """The int32 bit pattern of the float32 `value`."""
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(args[0], I32)
-    return types.int32(types.float32), codegen
-
-
-@njit(**BODY)
-def round_bf16(value):
-    """float32 -> the nearest bfloat16 (ties to even, as torch rounds), as a float32; NaN stays NaN."""
-    bits = np.int64(_float_bits(np.float32(value)))
-    if (bits & 0x7FFFFFFF) > 0x7F800000:
-        return np.float32(value)
-    return _as_float32(np.int32((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536))
-
 
 @njit(**BODY)
 def split_bf16_row(x, x_even, x_odd):

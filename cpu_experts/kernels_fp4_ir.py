@@ -72,18 +72,6 @@ def decode_mode() -> str:
     return "shuffle" if features.get("ssse3") else "portable"
 
 
-class _Rows(_IR):
-    """`_IR` with pointers to an array's element at runtime indices, so the kernels pass whole arrays and indices
-    instead of slicing rows out of them."""
-
-    def item(self, ty, val, index_types, indices, elem):
-        array = self.context.make_array(ty)(self.context, self.b, val)
-        wide = [self.context.cast(self.b, v, t, types.intp) for v, t in zip(indices, index_types, strict=True)]
-        zeros = [ir.Constant(I64, 0)] * (ty.ndim - len(wide))
-        ptr = cgutils.get_item_pointer(self.context, self.b, ty, array, wide + zeros, wraparound=False)
-        return self.b.bitcast(ptr, elem.as_pointer())
-
-
 def _scale_vectors(g: _IR, scales, table, first, second, is_mx: bool):
     """A chunk's scale factors as <16 x float> vectors, from the scale bytes at `first` (and `second`): MXFP4 (one
     group) two splats whose product is the group's halved scale, NVFP4 (two groups of 8 lanes) [s0 x 8, s1 x 8]."""
@@ -108,19 +96,19 @@ class _RowDots:
     """The IR of one call of a row-dot intrinsic (`_fp4_codegen`): its pointers, accumulators and chunk step."""
 
     def __init__(self, context, builder, sig, args, weights, is_mx: bool, mode: str):
-        self.g, self.b = _Rows(context, builder), builder
+        self.g, self.b = _IR(context, builder), builder
         self.num_rows, self.is_mx, self.mode = len(weights), is_mx, mode
         at = 1 + max(max(w, s) for w, s, _ in weights)
         (e_type, n_type), (e, n) = sig.args[at:at + 2], args[at:at + 2]
         self.rows, self.scales = [], []
         for w_arg, s_arg, offset in weights:
             index = ((e_type, n_type), (e, builder.add(n, ir.Constant(n.type, offset))))
-            self.rows.append(self.g.item(sig.args[w_arg], args[w_arg], *index, I8))
-            self.scales.append(self.g.item(sig.args[s_arg], args[s_arg], *index, I8))
+            self.rows.append(self.g.item_pointer(sig.args[w_arg], args[w_arg], index[1], I8, index[0]))
+            self.scales.append(self.g.item_pointer(sig.args[s_arg], args[s_arg], index[1], I8, index[0]))
         self.table = self.g.data(sig.args[at + 2], args[at + 2], F32)[0]
         token = ([sig.args[at + 5]], [args[at + 5]])
-        self.x_even = self.g.item(sig.args[at + 3], args[at + 3], *token, F32)
-        self.x_odd = self.g.item(sig.args[at + 4], args[at + 4], *token, F32)
+        self.x_even = self.g.item_pointer(sig.args[at + 3], args[at + 3], token[1], F32, token[0])
+        self.x_odd = self.g.item_pointer(sig.args[at + 4], args[at + 4], token[1], F32, token[0])
         self.num_bytes = builder.extract_value(context.make_array(sig.args[0])(context, builder, args[0]).shape, 2)
         self.accs = [[self.g.zeroed(V16F), self.g.zeroed(V16F)] for _ in range(self.num_rows)]
 

@@ -26,9 +26,9 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from cpu_experts.kernels import _as_float32
+from cpu_experts.kernels import round_bf16
 from cpu_experts.kernels_vnni import _IR, has_vnni512
-from cpu_experts.kernels_vnni_int4 import FOUR_ROWS, GATE_UP, ONE_ROW, _row_pointer, _sum_lanes
+from cpu_experts.kernels_vnni_int4 import FOUR_ROWS, GATE_UP, ONE_ROW, _sum_lanes
 
 # error_model="numpy": no ZeroDivisionError paths for `//`, whose raising exits keep numba from pruning the
 # reference-count updates of the array arguments (atomics every thread contends on)
@@ -39,8 +39,6 @@ DOWN_ROWS = 16  # output columns a work item of the down projection owns (its ro
 FLOAT16_BIAS = np.float32(256.0)  # an e4m3 value / its float16 decoding (2^(15 - 7))
 # float16 bits kept of (int16(byte) << 7): the sign (bit 15) and the magnitude (13..7); bit 14 is a copy of the sign
 FLOAT16_MASK = np.int16(-16385)  # 0xBFFF
-BF16_HALF = np.int32(0x7FFF)
-BF16_HIGH = np.int32(-65536)  # 0xFFFF0000
 
 
 @intrinsic
@@ -51,14 +49,6 @@ def _float16_bits_as_float32(typingctx, bits):
     return types.float32(types.int16), codegen
 
 
-@intrinsic
-def _float32_bits(typingctx, value):
-    """The int32 bit pattern of the float32 `value`."""
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(args[0], ir.IntType(32))
-    return types.int32(types.float32), codegen
-
-
 @njit(fastmath=True, cache=True)
 def e4m3_over_256(byte):
     """The value of the e4m3fn bit pattern `byte` (uint8) divided by 256, exactly (see the module docstring)."""
@@ -66,18 +56,9 @@ def e4m3_over_256(byte):
     return _float16_bits_as_float32(bits)
 
 
-@njit(fastmath=True, cache=True)
-def round_bf16(v):
-    """float32 -> the nearest bfloat16 value (ties to even), as a float32: torch's rounding; inf and the NaNs that
-    arithmetic makes are kept."""
-    bits = _float32_bits(np.float32(v))
-    bits = (bits + BF16_HALF + ((bits >> np.int32(16)) & np.int32(1))) & BF16_HIGH
-    return _as_float32(bits)
-
-
 # ---- LLVM IR: whole rows -------------------------------------------------------------------------------------------
 # One intrinsic call per row (gate and up together, down four rows a call), its rows addressed in place (array and
-# indices, `kernels_vnni_int4._row_pointer`: a numba row slice costs atomic reference-count updates on the parent,
+# indices, `kernels_vnni._IR.item_pointer`: a numba row slice costs atomic reference-count updates on the parent,
 # which threads contend on). Per group: vector accumulators of weight x activation over its whole vectors, folded to
 # one register and multiplied by the group's scale into the row's accumulator; one horizontal sum a row (written
 # out, `_sum_lanes`, so a row's result does not depend on the rows it shares a call with).
@@ -138,9 +119,9 @@ def _fp8_codegen(weights, width, blocks_per_group=None):
         rows, scales = [], []
         for w_arg, s_arg, offset in weights:
             row = builder.add(n, ir.Constant(n.type, offset))
-            rows.append(_row_pointer(g, ty[w_arg], args[w_arg], (e, row), I8))
-            scales.append(_row_pointer(g, ty[s_arg], args[s_arg], (e, row), F32))
-        x_ptr = _row_pointer(g, ty[num_arrays + 2], x, (t,), F32)
+            rows.append(g.item_pointer(ty[w_arg], args[w_arg], (e, row), I8))
+            scales.append(g.item_pointer(ty[s_arg], args[s_arg], (e, row), F32))
+        x_ptr = g.item_pointer(ty[num_arrays + 2], x, (t,), F32)
         row_accs = [g.zeroed(V_ACC) for _ in rows]
         group_accs = [g.zeroed(v_float) for _ in rows]
         step = ir.Constant(group.type, width)

@@ -91,16 +91,17 @@ class _IR:
     def zeroed(self, ty):
         return cgutils.alloca_once_value(self.b, ir.Constant(ty, None))
 
-    def splat(self, scalar):
-        vec = ir.Constant(F8, None)
-        for k in range(8):
-            vec = self.b.insert_element(vec, scalar, ir.Constant(I32, k))
-        return vec
-
-    def scales(self, ty, val):
-        """A scale array's data pointer and whether it holds bfloat16 bits (uint16) rather than float32."""
-        is_bf16 = ty.dtype == types.uint16
-        return self.data(ty, val, I16 if is_bf16 else F32)[0], is_bf16
+    def item_pointer(self, ty, val, indices, elem, index_types=None):
+        """&array[indices...] (the leading dimensions; the rest 0) as an `elem` pointer. Kernels pass whole arrays
+        and indices, not numba row slices: a slice holds a reference to its parent, and that count's atomic add
+        and subtract, on a line every thread's rows share, cost more than a short row's dot product.
+        `index_types`: the indices' numba types, where they may be narrower than intp."""
+        array = self.context.make_array(ty)(self.context, self.b, val)
+        if index_types is not None:
+            indices = [self.context.cast(self.b, v, t, types.intp) for v, t in zip(indices, index_types, strict=True)]
+        zeros = [ir.Constant(ir.IntType(64), 0)] * (ty.ndim - len(indices))
+        ptr = cgutils.get_item_pointer(self.context, self.b, ty, array, [*indices, *zeros], wraparound=False)
+        return self.b.bitcast(ptr, elem.as_pointer())
 
     def load_scale(self, scales, index, count=1):
         """scales[index] as a float32, or with `count` > 1 scales[index:index + count] as a float32 vector

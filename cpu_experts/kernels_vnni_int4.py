@@ -36,19 +36,7 @@ GATE_UP_ROWS = 16  # (expert, row) items of gate/up a work item owns
 
 
 # ---- LLVM IR: whole-row dot products ---------------------------------------------------------------------------
-# The intrinsics take whole arrays and indices, not row slices: a slice in numba is a new array holding a reference
-# to its parent, and the reference count's atomic add and subtract on the parent (every thread's rows share one)
-# cost more than a short row's dot product.
-
-def _row_pointer(g, ty, val, indices, elem):
-    """&array[indices...] as an `elem` pointer (the leading len(indices) dimensions; byte strides)."""
-    array = g.context.make_array(ty)(g.context, g.b, val)
-    strides = cgutils.unpack_tuple(g.b, array.strides)
-    offset = ir.Constant(ir.IntType(64), 0)
-    for index, stride in zip(indices, strides, strict=False):
-        offset = g.b.add(offset, g.b.mul(index, stride))
-    return g.b.bitcast(g.b.gep(g.b.bitcast(array.data, ir.IntType(8).as_pointer()), [offset]), elem.as_pointer())
-
+# The intrinsics take whole arrays and indices, not row slices (`_IR.item_pointer`).
 
 def _operands(g, sig, args, weights):
     """The intrinsic's row pointers: each weight row and its scales (with whether they are bfloat16 bits), the
@@ -59,12 +47,12 @@ def _operands(g, sig, args, weights):
     rows, scales = [], []
     for w_arg, s_arg, offset in weights:
         row = g.b.add(n, ir.Constant(n.type, offset))
-        rows.append(_row_pointer(g, ty[w_arg], args[w_arg], (e, row), ir.IntType(8)))
+        rows.append(g.item_pointer(ty[w_arg], args[w_arg], (e, row), ir.IntType(8)))
         is_bf16 = ty[s_arg].dtype == types.uint16
-        scales.append((_row_pointer(g, ty[s_arg], args[s_arg], (e, row), I16 if is_bf16 else F32), is_bf16))
+        scales.append((g.item_pointer(ty[s_arg], args[s_arg], (e, row), I16 if is_bf16 else F32), is_bf16))
     x_index = num_arrays + 2
-    xe_ptr, xo_ptr = (_row_pointer(g, ty[x_index + k], args[x_index + k], (t,), ir.IntType(8)) for k in range(2))
-    corr = _row_pointer(g, ty[x_index + 2], x_corr, (t,), ir.IntType(32))
+    xe_ptr, xo_ptr = (g.item_pointer(ty[x_index + k], args[x_index + k], (t,), ir.IntType(8)) for k in range(2))
+    corr = g.item_pointer(ty[x_index + 2], x_corr, (t,), ir.IntType(32))
     return rows, scales, xe_ptr, xo_ptr, corr, num_units, half
 
 

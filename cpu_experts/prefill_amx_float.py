@@ -38,7 +38,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from cpu_experts import formats
-from cpu_experts.kernels import scale_value, silu_mul
+from cpu_experts.kernels import bf16_bits, scale_value, silu_mul
 from cpu_experts.packed import PackedLayer
 from cpu_experts.prefill import Workspace
 from cpu_experts.prefill_amx import (
@@ -202,21 +202,6 @@ def _fp4_to_bf16(typingctx, src, src_off, dst, dst_off, factors, num_steps):
             _store_bf16(builder, builder.fmul(doubled, factor), dst_p, builder.mul(at, ir.Constant(at.type, 4)))
         return context.get_dummy_value()
     return types.void(src, src_off, dst, dst_off, factors, num_steps), codegen
-
-
-@intrinsic
-def _float_bits(typingctx, value):
-    """The int32 bit pattern of the float32 `value`."""
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(args[0], I32)
-    return types.int32(types.float32), codegen
-
-
-@njit(fastmath=True, cache=True)
-def bf16_bits(value):
-    """float32 -> the bits of the nearest bfloat16 (ties to even: torch's rounding)."""
-    bits = np.int64(_float_bits(np.float32(value))) & 0xFFFFFFFF
-    return np.uint16((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16)
 
 
 # ---- a task's rows and their group scales ------------------------------------------------------------------------
