@@ -82,6 +82,16 @@ class MoEConfig:
 
 
 @dataclass(frozen=True)
+class LayerSpec:
+    """What one decoder layer is, as data the runtime builds the layer and its cache from: its attention (kind,
+    heads, KV heads, head dims, sliding window, sinks, biases), the RoPE it applies, and its feed-forward kind."""
+
+    attention: AttentionConfig
+    rope: RopeConfig
+    mlp: str  # "moe" (routed experts) or "dense" (one gated MLP)
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     vocab_size: int
@@ -99,6 +109,16 @@ class ModelConfig:
     fp8_block_size: tuple[int, int] | None = None  # checkpoint stores DeepSeek-style FP8 block-scaled weights
     compressed_tensors: compressed_tensors.Scheme | None = None  # checkpoint stores compressed-tensors weights
     is_modelopt: bool = False  # checkpoint stores NVIDIA ModelOpt NVFP4 weights (`parse_modelopt`)
+    # Per-layer specs where layers differ (window, KV heads, head dims, RoPE); empty: every layer has `attention`
+    # and `rope`. Read them through `layers`.
+    layer_specs: tuple[LayerSpec, ...] = ()
+
+    @property
+    def layers(self) -> tuple[LayerSpec, ...]:
+        """Each decoder layer's spec, in order."""
+        if self.layer_specs:
+            return self.layer_specs
+        return tuple(LayerSpec(self.attention, self.rope, "moe" if is_moe else "dense") for is_moe in self.moe_layers)
 
     @property
     def num_moe_layers(self) -> int:

@@ -65,7 +65,8 @@ def gpt_oss(tmp_path_factory):
 def test_config_follows_the_checkpoint(gpt_oss):
     _, llm = gpt_oss
     cfg = llm.config
-    assert cfg.layer_types == tuple(LAYER_TYPES)
+    assert [spec.attention.sliding_window for spec in cfg.layers] == [
+        WINDOW if t == "sliding_attention" else None for t in LAYER_TYPES]
     windows = [layer.self_attn.cfg.sliding_window for layer in llm.model.model.layers]
     assert windows == [WINDOW if t == "sliding_attention" else None for t in LAYER_TYPES]
     assert cfg.attention.has_sinks and cfg.attention.has_qkv_bias and cfg.attention.has_o_bias
@@ -146,8 +147,8 @@ def test_default_layer_types_alternate_and_hidden_act_is_ignored(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     cls, parsed = load_model_config(tmp_path)
     assert cls is GptOssForCausalLM
-    assert parsed.layer_types == tuple("sliding_attention" if i % 2 == 0 else "full_attention"
-                                       for i in range(len(LAYER_TYPES)))
+    assert [spec.attention.sliding_window for spec in parsed.layers] == [
+        parsed.attention.sliding_window if i % 2 == 0 else None for i in range(len(LAYER_TYPES))]
 
 
 def test_cpu_expert_placement_is_refused(tmp_path):

@@ -155,7 +155,7 @@ class Backends:
         ops = dense_ops_for(device, kernels)
         is_triton = ops is not TORCH_OPS
         attention = TorchAttentionBackend()
-        if is_triton and TritonAttentionBackend.supports(config.attention, block_size):
+        if is_triton and all(TritonAttentionBackend.supports(spec.attention, block_size) for spec in config.layers):
             attention = TritonAttentionBackend()
         is_half_kernels = uses_gemm_kernels(device, kernels, dtype)
         if make_experts is None:

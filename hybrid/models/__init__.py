@@ -53,14 +53,19 @@ def load_model_config(checkpoint_dir: str | Path) -> tuple[type[MoECausalLM], Mo
 
 
 def validate(config: ModelConfig, source: str) -> None:
-    moe, attn = config.moe, config.attention
+    moe = config.moe
     checks = [
         (moe.top_k <= moe.num_experts, f"num_experts_per_tok {moe.top_k} exceeds the {moe.num_experts} experts"),
         (moe.num_experts % moe.num_groups == 0, f"n_group {moe.num_groups} does not divide {moe.num_experts} experts"),
         (moe.topk_group <= moe.num_groups, f"topk_group {moe.topk_group} exceeds n_group {moe.num_groups}"),
         (moe.group_score != "top2_sum" or moe.num_experts // moe.num_groups >= 2,
          "grouped routing needs at least 2 experts per group"),
-        (attn.num_heads % attn.num_kv_heads == 0, "num_attention_heads must be a multiple of num_key_value_heads"),
+        (len(config.layers) == config.num_layers,
+         f"{len(config.layers)} layer specs for num_hidden_layers {config.num_layers}"),
+        (all((spec.mlp == "moe") == is_moe for spec, is_moe in zip(config.layers, config.moe_layers, strict=False)),
+         "the layers' MLP kinds disagree with their MoE layers"),
+        (all(spec.attention.num_heads % spec.attention.num_kv_heads == 0 for spec in config.layers),
+         "num_attention_heads must be a multiple of num_key_value_heads"),
     ]
     for ok, message in checks:
         if not ok:

@@ -59,10 +59,12 @@ class MoECausalLM(nn.Module):
         self._last_moe_layer = moe_layers[-1] if moe_layers else -1
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        rotary = RotaryEmbedding(config.rope, backends.ops)
+        rotaries: dict = {}  # one RotaryEmbedding per distinct RoPE: layers of one kind share its tables
+        for spec in config.layers:
+            rotaries.setdefault(spec.rope, RotaryEmbedding(spec.rope, backends.ops))
         self.model.layers = nn.ModuleList(
             DecoderLayer(
-                self._make_attention(i, rotary, backends),
+                self._make_attention(i, rotaries[config.layers[i].rope], backends),
                 self._make_ff(i, backends),
                 self.ff_name,
                 config.hidden_size,
@@ -82,9 +84,10 @@ class MoECausalLM(nn.Module):
 
     def _make_attention(self, layer_idx: int, rotary: RotaryEmbedding, backends: Backends) -> nn.Module:
         cfg = self.config
-        if cfg.attention.kind == "mla":
-            return MLAAttention(cfg.attention, cfg.hidden_size, rotary, backends.attention)
-        return GQAAttention(cfg.attention, cfg.hidden_size, cfg.rms_norm_eps, rotary, backends.attention)
+        attention = cfg.layers[layer_idx].attention
+        if attention.kind == "mla":
+            return MLAAttention(attention, cfg.hidden_size, rotary, backends.attention)
+        return GQAAttention(attention, cfg.hidden_size, cfg.rms_norm_eps, rotary, backends.attention)
 
     def _make_ff(self, layer_idx: int, backends: Backends) -> nn.Module:
         cfg = self.config

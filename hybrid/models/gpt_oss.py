@@ -14,29 +14,22 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybrid.config import ModelConfig, MoEConfig, RawConfig, common_fields, gqa_attention, parse_rope
+from hybrid.config import LayerSpec, ModelConfig, MoEConfig, RawConfig, common_fields, gqa_attention, parse_rope
 from hybrid.errors import ConfigError
-from hybrid.layers.attention import GQAAttention
 from hybrid.layers.backends import Backends, default_experts_factory, triton_experts_factory
 from hybrid.layers.moe import Router
-from hybrid.layers.rotary import RotaryEmbedding
 from hybrid.models.base import MoECausalLM
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 SWIGLU_ALPHA = 1.702
 SWIGLU_LIMIT = 7.0
 DEFAULT_ROPE_THETA = 150000.0  # GptOssConfig.default_theta
-
-
-@dataclass(frozen=True)
-class GptOssModelConfig(ModelConfig):
-    layer_types: tuple[str, ...] = ()  # per layer, one of LAYER_TYPES
 
 
 def parse_layer_types(raw: RawConfig, num_layers: int) -> tuple[str, ...]:
@@ -116,10 +109,12 @@ class GptOssForCausalLM(MoECausalLM):
         attention = replace(gqa_attention(raw, has_qkv_bias=raw.bool("attention_bias", True), qk_norm="none",
                                           sliding_window=window),
                             has_o_bias=raw.bool("attention_bias", True), has_sinks=True)
-        return GptOssModelConfig(
+        rope = parse_rope(raw, attention.head_dim, is_interleaved=False, default_theta=DEFAULT_ROPE_THETA)
+        full = replace(attention, sliding_window=None)
+        return ModelConfig(
             **common_fields(plain, checkpoint_dir),
             attention=attention,
-            rope=parse_rope(raw, attention.head_dim, is_interleaved=False, default_theta=DEFAULT_ROPE_THETA),
+            rope=rope,
             moe=MoEConfig(
                 num_experts=raw.int("num_local_experts", raw.get("num_experts")),
                 top_k=raw.int("num_experts_per_tok"),
@@ -128,15 +123,9 @@ class GptOssForCausalLM(MoECausalLM):
                 norm_topk_prob=True,
             ),
             moe_layers=(True,) * num_layers,
-            layer_types=layer_types,
+            layer_specs=tuple(LayerSpec(full if kind == "full_attention" else attention, rope, "moe")
+                              for kind in layer_types),
         )
-
-    def _make_attention(self, layer_idx: int, rotary: RotaryEmbedding, backends: Backends) -> nn.Module:
-        cfg = self.config
-        attention = cfg.attention
-        if cfg.layer_types[layer_idx] == "full_attention":
-            attention = replace(attention, sliding_window=None)
-        return GQAAttention(attention, cfg.hidden_size, cfg.rms_norm_eps, rotary, backends.attention)
 
     def _make_ff(self, layer_idx: int, backends: Backends) -> nn.Module:
         if backends.make_experts not in (default_experts_factory, triton_experts_factory):
