@@ -107,13 +107,15 @@ def test_activation_matches_transformers():
     assert torch.equal(GptOssExperts.activation(gate_up), experts._apply_gate(gate_up))
 
 
-def _paged_case(num_tokens: int, num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 64, block: int = 16):
+def _paged_case(num_tokens: int, num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 64, block: int = 16,
+                device: torch.device | str = "cpu"):
     gen = torch.Generator().manual_seed(7)
-    q, k, v = (torch.randn(num_tokens, h, head_dim, generator=gen) for h in (num_heads, num_kv_heads, num_kv_heads))
+    q, k, v = (torch.randn(num_tokens, h, head_dim, generator=gen).to(device)
+               for h in (num_heads, num_kv_heads, num_kv_heads))
     num_blocks = -(-num_tokens // block)
-    caches = tuple(torch.zeros(num_blocks, block, num_kv_heads, head_dim) for _ in range(2))
-    batch = ForwardBatch.build([SequenceSlice(0, num_tokens, list(range(num_blocks)))], block, "cpu")
-    sinks = torch.randn(num_heads, generator=gen) * 2
+    caches = tuple(torch.zeros(num_blocks, block, num_kv_heads, head_dim, device=device) for _ in range(2))
+    batch = ForwardBatch.build([SequenceSlice(0, num_tokens, list(range(num_blocks)))], block, device)
+    sinks = (torch.randn(num_heads, generator=gen) * 2).to(device)
     return q, k, v, caches, batch, sinks
 
 
@@ -125,8 +127,11 @@ def test_backends_pass_sinks_to_the_attention():
     torch_out = TorchAttentionBackend().gqa(q, k, v, caches, batch, 0.125, WINDOW, sinks)
     torch.testing.assert_close(torch_out, expected)
     assert not torch.allclose(TorchAttentionBackend().gqa(q, k, v, caches, batch, 0.125, WINDOW), expected)
-    triton_out = TritonAttentionBackend().gqa(q, k, v, tuple(c.clone() for c in caches), batch, 0.125, WINDOW, sinks)
-    torch.testing.assert_close(triton_out, expected, atol=2e-5, rtol=1e-4)
+    from gpu_support import DEVICE
+
+    q, k, v, caches, batch, sinks = _paged_case(20, device=DEVICE)  # the GPU where there is one, else interpreted
+    triton_out = TritonAttentionBackend().gqa(q, k, v, caches, batch, 0.125, WINDOW, sinks)
+    torch.testing.assert_close(triton_out, expected.to(DEVICE), atol=2e-5, rtol=1e-4)
 
 
 def test_layer_types_are_checked(tmp_path):
