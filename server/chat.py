@@ -7,6 +7,9 @@ function append the text that opens a call (`forced_prefix`) to the prompt, so t
 no grammar-constrained decoding); a think block the prompt opened is closed first. `chat_template_kwargs` go to
 the template as they are (`{"thinking": false}` for Kimi-K2.5, `{"enable_thinking": false}` for GLM and Qwen3), and
 the reasoning parser starts where the rendered prompt leaves the output: inside a think block or not.
+
+gpt-oss's harmony format takes the place of all three: `server.harmony` renders the prompt and one parser splits
+the output into reasoning, content and calls, the calls' arguments streamed as they come.
 """
 
 from __future__ import annotations

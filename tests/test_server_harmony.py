@@ -319,3 +319,24 @@ def test_result_round_trip_and_answer(served):
     deltas = [chunk.choices[0].delta for chunk in stream if chunk.choices]
     assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == "It is sunny."
     assert "".join(d.content or "" for d in deltas) == "Sunny in Paris."
+
+
+def test_both_flags_none_leave_the_chat_template(served, tmp_path):
+    """A gpt-oss checkpoint with `none` for both parsers renders its own chat template, which gets
+    `reasoning_effort` as a variable."""
+    engine, tokenizer, _ = served
+    model_dir = tmp_path / "model"
+    shutil.copytree(tokenizer.name_or_path, model_dir)
+    tokenizer.chat_template = "effort={{ reasoning_effort }}:{{ messages[-1]['content'] }}"
+    tokenizer.save_pretrained(model_dir)
+    engine.script = tokenizer.encode("fine", add_special_tokens=False) + [tokenizer.eos_token_id]
+    server = start_server(engine, model_dir, engine.max_model_len, served_model_name="plain",
+                          reasoning_parser="none", tool_call_parser="none")
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        response = client.chat.completions.create(model="plain", messages=[{"role": "user", "content": "Hi"}],
+                                                  reasoning_effort="low")
+    finally:
+        server.stop()
+    assert tokenizer.decode(engine.prompts[-1]) == "effort=low:Hi"
+    assert response.choices[0].message.content == "fine"
