@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hybrid.config import read_config_json
 from hybrid.errors import ConfigError
+from server import harmony
 from server.chat import create_chat_completion
 from server.completions import create_completion
 from server.config import ServerConfig
@@ -99,11 +100,29 @@ def served_model(config: ServerConfig, tokenizer, max_model_len: int) -> ServedM
     vocab = tokenizer.get_vocab() if tokenizer is not None else {}
     template = getattr(tokenizer, "chat_template", None)
     template = template if isinstance(template, str) else ""
+    if tokenizer is not None and harmony.is_selected(config.reasoning_parser, config.tool_call_parser,
+                                                     _architectures(config.model), template):
+        # gpt-oss: the format renders the prompt and parses reasoning and calls; its turn ends at <|return|>/<|call|>
+        stops = tuple(vocab[tag] for tag in harmony.STOP_TAGS if tag in vocab)
+        return ServedModel(config.model_name, tokenizer, max_model_len, None, None, sampling_defaults(config.model),
+                           has_special_tags=tags_are_special(tokenizer, vocab, harmony.TAGS), is_harmony=True,
+                           stop_token_ids=stops)
     tool_parser = choose_tool_parser(config.tool_call_parser, template, vocab)
     reasoning_parser = choose_reasoning_parser(config.reasoning_parser, template, vocab)
     tags = (tool_parser.tags if tool_parser else ()) + ((THINK_START, THINK_END) if reasoning_parser else ())
     return ServedModel(config.model_name, tokenizer, max_model_len, tool_parser, reasoning_parser,
                        sampling_defaults(config.model), has_special_tags=tags_are_special(tokenizer, vocab, tags))
+
+
+def _architectures(model_dir: str | None) -> list:
+    """config.json's `architectures` (empty where there is none to read)."""
+    if model_dir is None or not (Path(model_dir) / "config.json").is_file():
+        return []
+    try:
+        architectures = read_config_json(model_dir).get("architectures")
+    except ConfigError:
+        return []  # the engine reports a broken config.json; the format is only chosen here
+    return architectures if isinstance(architectures, list) else []
 
 
 def tags_are_special(tokenizer, vocab: dict[str, int], tags: tuple[str, ...]) -> bool:

@@ -7,6 +7,9 @@ function append the text that opens a call (`forced_prefix`) to the prompt, so t
 no grammar-constrained decoding); a think block the prompt opened is closed first. `chat_template_kwargs` go to
 the template as they are (`{"thinking": false}` for Kimi-K2.5, `{"enable_thinking": false}` for GLM and Qwen3), and
 the reasoning parser starts where the rendered prompt leaves the output: inside a think block or not.
+
+gpt-oss's harmony format takes the place of all three: `server.harmony` renders the prompt and one parser splits
+the output into reasoning, content and calls, the calls' arguments streamed as they come.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from functools import partial
 from fastapi.responses import JSONResponse
 from starlette.requests import Request
 
+from server import harmony
 from server.errors import APIError, error_body
 from server.prompts import check_encodable, check_prompt_bytes, encode
 from server.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
@@ -47,12 +51,16 @@ from server.tool_parsers import ToolCall, ToolCallParser
 class ChatChoice:
     """One choice's output text through the parsers; accumulates what a non-streaming response returns."""
 
-    def __init__(self, reasoning: ReasoningParser | None, tools: ToolCallParser | None):
-        self.reasoning_parser, self.tool_parser = reasoning, tools
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolCallParser | None,
+                 harmony_parser: harmony.HarmonyParser | None = None):
+        """`harmony_parser`: gpt-oss's output, in place of the other two."""
+        self.reasoning_parser, self.tool_parser, self.harmony_parser = reasoning, tools, harmony_parser
         self.reasoning, self.content = "", ""
         self.tool_calls: list[ToolCall] = []
 
     def feed(self, text: str) -> dict:
+        if self.harmony_parser is not None:
+            return self._harmony_delta(self.harmony_parser.feed(text))
         reasoning, content = "", text
         if self.reasoning_parser is not None and text:
             parsed = self.reasoning_parser.feed(text)
@@ -65,6 +73,8 @@ class ChatChoice:
 
     def flush(self) -> dict:
         """The delta of what the parsers still hold at the end of the output."""
+        if self.harmony_parser is not None:
+            return self._harmony_delta(self.harmony_parser.finish())
         reasoning, content = "", ""
         if self.reasoning_parser is not None:
             parsed = self.reasoning_parser.finish()
@@ -93,6 +103,15 @@ class ChatChoice:
             self.tool_calls.extend(calls)
         return delta
 
+    def _harmony_delta(self, parsed: harmony.HarmonyDelta) -> dict:
+        """Reasoning and content as the other parsers', calls as they stream: a call's first delta has its id and
+        name, the next ones more of its arguments."""
+        delta = self._delta(parsed.reasoning, parsed.content, ())
+        if parsed.calls:
+            delta["tool_calls"] = [_call_delta(call) for call in parsed.calls]
+            self.tool_calls = [ToolCall(call.id, call.name, call.arguments) for call in self.harmony_parser.calls]
+        return delta
+
     def finish_reason(self, engine_reason: str, is_named_choice: bool) -> str:
         # OpenAI answers a forced (named) function call with "stop", a call the model chose with "tool_calls".
         if self.tool_calls and engine_reason == "stop" and not is_named_choice:
@@ -110,6 +129,13 @@ async def _parse(choice: ChatChoice, text: str | None) -> dict:
 def _tool_call(call: ToolCall, index: int | None = None) -> dict:
     body = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
     return body if index is None else {"index": index, **body}
+
+
+def _call_delta(call: harmony.CallDelta) -> dict:
+    if call.id is None:
+        return {"index": call.index, "function": {"arguments": call.arguments}}
+    return {"index": call.index, "id": call.id, "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments}}
 
 
 def _message_dict(message: ChatMessage) -> dict:
@@ -142,14 +168,20 @@ def render_prompt(state: ServerState, request: ChatCompletionRequest) -> tuple[s
     """The prompt text (chat template, plus the opening of a call when the tool choice forces one) and the
     tool-call parser this request's output goes through."""
     tokenizer = state.model.tokenizer
+    use_tools = bool(request.tools) and request.tool_choice != "none"
+    if state.model.is_harmony:
+        tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if use_tools else None
+        text = harmony.render_prompt(request.messages, tools, request.reasoning_effort)
+        return text + _harmony_forced_prefix(request), None
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
     kwargs = dict(request.chat_template_kwargs or {})
+    if request.reasoning_effort is not None:
+        kwargs.setdefault("reasoning_effort", request.reasoning_effort)
     reserved = set(inspect.signature(tokenizer.apply_chat_template).parameters) & set(kwargs)
     if reserved:
         raise APIError(400, f"chat_template_kwargs may not set {', '.join(sorted(reserved))}",
                        param="chat_template_kwargs")
-    use_tools = bool(request.tools) and request.tool_choice != "none"
     tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if use_tools else None
     try:
         text = tokenizer.apply_chat_template([_message_dict(m) for m in request.messages], tools=tools,
@@ -180,8 +212,12 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
     reasoning = state.model.reasoning_parser
     prefix = _forced_prefix(parser, request)  # the parser reads the opening of a forced call as output
     tools = [tool.model_dump(exclude_none=True) for tool in request.tools or ()]
-    choices = [ChatChoice(reasoning.for_prompt(prompt_text) if reasoning is not None else None,
-                          parser(prefix, tools) if parser is not None else None) for _ in range(request.n)]
+    if state.model.is_harmony:
+        choices = [ChatChoice(None, None, harmony.HarmonyParser(_harmony_forced_prefix(request)))
+                   for _ in range(request.n)]
+    else:
+        choices = [ChatChoice(reasoning.for_prompt(prompt_text) if reasoning is not None else None,
+                              parser(prefix, tools) if parser is not None else None) for _ in range(request.n)]
     if state.model.has_special_tags and "skip_special_tokens" not in request.model_fields_set:
         request = request.model_copy(update={"skip_special_tokens": False})
     is_named = isinstance(request.tool_choice, NamedToolChoice)
@@ -199,6 +235,13 @@ def _forced_prefix(parser: type[ToolCallParser] | None, request: ChatCompletionR
         return ""
     name = request.tool_choice.function.name if isinstance(request.tool_choice, NamedToolChoice) else None
     return parser.forced_prefix(name)
+
+
+def _harmony_forced_prefix(request: ChatCompletionRequest) -> str:
+    if not request.tools or request.tool_choice in (None, "auto", "none"):
+        return ""
+    name = request.tool_choice.function.name if isinstance(request.tool_choice, NamedToolChoice) else None
+    return harmony.forced_prefix(name)
 
 
 def _logprob_entry(tokenizer, token_id: int, logprob: float | None, top: tuple | None) -> dict:
@@ -266,7 +309,7 @@ async def _collect(state: ServerState, request: ChatCompletionRequest, generatio
     body = []
     for index, choice in enumerate(choices):
         message: dict = {"role": "assistant", "content": choice.content or (None if choice.tool_calls else "")}
-        if state.model.reasoning_parser is not None:
+        if state.model.reasoning_parser is not None or state.model.is_harmony:
             message["reasoning_content"] = choice.reasoning or None
         if choice.tool_calls:
             message["tool_calls"] = [_tool_call(call) for call in choice.tool_calls]

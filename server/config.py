@@ -37,11 +37,13 @@ class ServerConfig:
     max_num_batched_tokens: int | None = field(default=None, metadata={
         "help": "tokens per engine step (prefill chunk budget); default min(512, context length)"})
     tool_call_parser: str = field(default="auto", metadata={
-        "help": "tool-call format of the model's output; auto: from the chat template and vocabulary",
+        "help": "tool-call format of the model's output; auto: from the chat template and vocabulary; openai: "
+                "gpt-oss's harmony format (auto for GptOssForCausalLM)",
         "choices": TOOL_PARSER_CHOICES})
     reasoning_parser: str = field(default="auto", metadata={
         "help": "return <think>...</think> as reasoning_content; auto: when the vocabulary has the tags, and for "
-                "MiniMax-M2 minimax_m2_append_think (the think block stays in content, as MiniMax recommends)",
+                "MiniMax-M2 minimax_m2_append_think (the think block stays in content, as MiniMax recommends); "
+                "openai_gptoss: gpt-oss's harmony format (auto for GptOssForCausalLM)",
         "choices": REASONING_PARSER_CHOICES})
     log_level: str = field(default="info", metadata={
         "help": "server log level", "choices": ("critical", "error", "warning", "info", "debug")})

@@ -125,7 +125,8 @@ class ThinkInContentParser(ReasoningParser):
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     "qwen3": ReasoningParser, "deepseek_r1": ReasoningParser, "kimi_k2": ReasoningParser, "glm45": ReasoningParser,
     "minimax_m2": ReasoningParser, "minimax_m2_append_think": ThinkInContentParser}
-REASONING_PARSER_CHOICES = ("auto", "none", *REASONING_PARSERS)
+# openai_gptoss: gpt-oss's harmony format, which `server.harmony` renders and parses whole (tool calls too)
+REASONING_PARSER_CHOICES = ("auto", "none", *REASONING_PARSERS, "openai_gptoss")
 MINIMAX_MARKER = "<minimax:tool_call>"
 
 
@@ -133,7 +134,7 @@ def choose_reasoning_parser(choice: str, chat_template: str, vocab: dict[str, in
     """The parser class for `--reasoning-parser`. `auto`: none unless the vocabulary has both think tags; MiniMax-M2
     (its tool-call tag in the template or vocabulary) keeps the think block in the content, as MiniMax recommends
     for multi-turn use (`minimax_m2` splits it out instead); every other model gets `reasoning_content`."""
-    if choice == "none":
+    if choice in ("none", "openai_gptoss"):
         return None
     if choice != "auto":
         return REASONING_PARSERS[choice]

@@ -50,6 +50,8 @@ class ServedModel:
     max_token_bytes: int | None = None  # most bytes of text one token stands for (`server.prompts`); None: unknown
     # The parsers' tags are special tokens (Kimi's, GLM's), which decoding drops by default: chat output keeps them.
     has_special_tags: bool = False
+    is_harmony: bool = False  # gpt-oss's harmony format (`server.harmony`) instead of the chat template and parsers
+    stop_token_ids: tuple[int, ...] = ()  # ends of a chat turn besides the tokenizer's EOS (harmony's)
 
 
 @dataclass
@@ -130,6 +132,8 @@ def stop_token_ids(state: ServerState, request) -> list[int]:
     eos = getattr(state.model.tokenizer, "eos_token_id", None)
     if eos is not None and not request.ignore_eos:
         ids.append(eos)
+    if not request.ignore_eos:
+        ids.extend(state.model.stop_token_ids)
     return ids
 
 

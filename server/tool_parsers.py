@@ -366,14 +366,15 @@ def typed_value(text: str, schema):
 
 TOOL_PARSERS = {parser.name: parser for parser in (HermesToolParser, DeepSeekV3ToolParser, KimiK2ToolParser,
                                                    MiniMaxM2ToolParser, Glm47ToolParser)}
-TOOL_PARSER_CHOICES = ("auto", "none", *TOOL_PARSERS)
+# openai: gpt-oss's harmony format, which `server.harmony` renders and parses whole (reasoning too)
+TOOL_PARSER_CHOICES = ("auto", "none", *TOOL_PARSERS, "openai")
 # `auto` tries these in order: GLM's template and vocabulary have Hermes' <tool_call> too
 AUTO_ORDER = (DeepSeekV3ToolParser, KimiK2ToolParser, MiniMaxM2ToolParser, Glm47ToolParser, HermesToolParser)
 
 
 def choose_tool_parser(choice: str, chat_template: str, vocab: dict[str, int]) -> type[ToolCallParser] | None:
     """The parser class for `--tool-call-parser` (`auto`: the format the chat template or vocabulary knows)."""
-    if choice == "none":
+    if choice in ("none", "openai"):
         return None
     if choice != "auto":
         return TOOL_PARSERS[choice]
