@@ -89,7 +89,7 @@ class TritonAttentionBackend:
             return False
         if cfg.kind == "mla":
             return mla.supports_dims(cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank)
-        return (cfg.head_dim == cfg.v_head_dim and cfg.head_dim in attention.SUPPORTED_HEAD_DIMS
+        return (attention.supports_head_dims(cfg.head_dim, cfg.v_head_dim)
                 and cfg.num_heads // cfg.num_kv_heads <= attention.MAX_GROUP)
 
     def gqa(self, q, k, v, kv_cache, batch: ForwardBatch, scale: float, sliding_window: int | None,
