@@ -29,6 +29,7 @@ from hybrid.errors import ConfigError
 from hybrid.layers.backends import TritonAttentionBackend
 from hybrid.models import load_model_config
 from hybrid.models.mimo_v2_flash import MiMoV2FlashForCausalLM
+from hybrid.synthetic import SHAPES, has_dense_layers, shape_config, write_synthetic_checkpoint
 
 transformers.logging.set_verbosity_error()
 
@@ -262,5 +263,37 @@ def test_fp8_experts_run_as_stored_on_the_cpu_operator(mimo_fp8, tmp_path):
         ids = prompt(24, seed=524)
         ours, want = llm.prefill_logits(ids), hf_logits(ref, ids)
         assert (ours - want).abs().max() <= FLOAT_FORMAT_TOL * want.abs().max()
+    finally:
+        llm.close()
+
+
+# --- the synthetic shape (hybrid-bench --synthetic mimo-v2-flash) ---------------------------------------------------
+
+def test_synthetic_shape_cuts_its_per_layer_lists():
+    config = shape_config("mimo-v2-flash", 7)
+    assert config["hybrid_layer_pattern"] == [0, 1, 1, 1, 1, 0, 1] and config["moe_layer_freq"] == [0] + [1] * 6
+    assert has_dense_layers("mimo-v2-flash")
+    assert shape_config("mimo-v2-flash", 3, num_dense_layers=2)["moe_layer_freq"] == [0, 0, 1]
+
+
+def test_synthetic_fp8_checkpoint_loads_with_fp8_cpu_experts(tmp_path, monkeypatch):
+    """The released layout at a tiny size: FP8 with block scales, sinks under their released name; the routed experts
+    stay FP8 on the CPU operator."""
+    from cpu_experts.module import CpuExperts
+
+    tiny = dict(SHAPES["mimo-v2-flash"], vocab_size=512, hidden_size=64, intermediate_size=96,
+                moe_intermediate_size=32, n_routed_experts=8, num_attention_heads=4, swa_num_attention_heads=4,
+                num_key_value_heads=1, swa_num_key_value_heads=2)
+    monkeypatch.setitem(SHAPES, "tiny-mimo", tiny)
+    assert write_synthetic_checkpoint(tmp_path, "tiny-mimo", num_layers=3, fp8=True) > 0
+    assert json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"].keys() >= {
+        "model.layers.1.self_attn.attention_sink_bias", "model.layers.1.self_attn.q_proj.weight_scale_inv"}
+    llm = LLM(tmp_path, dtype="float32", expert_placement="cpu", max_model_len=64)
+    try:
+        expected = ["fp8", "fp8"] if _float_kernels_available("fp8") else None
+        if expected:
+            assert [m.op.spec.dtype for m in llm.model.modules() if isinstance(m, CpuExperts)] == expected
+        logits = llm.prefill_logits([5, 6, 7])
+        assert logits.shape == (3, 512) and torch.isfinite(logits).all()
     finally:
         llm.close()
