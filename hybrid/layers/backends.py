@@ -42,7 +42,8 @@ class TorchAttentionBackend:
         sliding_window: int | None,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`sinks`: float32 [Hq] logits, one more per head in each softmax denominator (gpt-oss), or None."""
+        """q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, Dv] (Dv may differ from D: MiMo) -> [T, Hq, Dv]. `sinks`: float32
+        [Hq] logits, one more per head in each softmax denominator (gpt-oss), or None."""
         k_cache, v_cache = kv_cache
         reference.write_kv_cache(k_cache, k, batch.slot_mapping)
         reference.write_kv_cache(v_cache, v, batch.slot_mapping)
