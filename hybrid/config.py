@@ -52,6 +52,8 @@ class AttentionConfig:
     sliding_window: int | None = None
     # A learned per-head logit in every softmax denominator (`self_attn.sinks` [Hq], gpt-oss), probability dropped
     has_sinks: bool = False
+    # V is multiplied by this as it is projected, before it is cached (MiMo-V2-Flash's `attention_value_scale`)
+    value_scale: float = 1.0
     # MLA only
     q_lora_rank: int | None = None
     kv_lora_rank: int = 0

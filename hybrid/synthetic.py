@@ -78,7 +78,22 @@ SHAPES: dict[str, dict] = {
         num_key_value_heads=20, q_lora_rank=768, kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64,
         v_head_dim=256, rms_norm_eps=1e-5, max_position_embeddings=202752, rope_theta=1e6,
         tie_word_embeddings=False, hidden_act="silu", topk_method="noaux_tc"),
+    # MiMo-V2-Flash's released config.json (the remote code's keys; transformers reads the same model from them)
+    "mimo-v2-flash": dict(
+        architectures=["MiMoV2FlashForCausalLM"], model_type="mimo_v2_flash", vocab_size=152576, hidden_size=4096,
+        intermediate_size=16384, moe_intermediate_size=2048, n_routed_experts=256, n_shared_experts=None,
+        num_experts_per_tok=8, n_group=1, topk_group=1, routed_scaling_factor=None, norm_topk_prob=True,
+        scoring_func="sigmoid", topk_method="noaux_tc", num_attention_heads=64, num_key_value_heads=4, head_dim=192,
+        v_head_dim=128, swa_num_attention_heads=64, swa_num_key_value_heads=8, swa_head_dim=192, swa_v_head_dim=128,
+        hybrid_layer_pattern=[0 if i == 0 or (i + 1) % 6 == 0 else 1 for i in range(48)],
+        moe_layer_freq=[0] + [1] * 47, sliding_window=128, sliding_window_size=128,
+        add_full_attention_sink_bias=False, add_swa_attention_sink_bias=True, attention_value_scale=0.707,
+        partial_rotary_factor=0.334, rope_theta=5e6, swa_rope_theta=1e4, layernorm_epsilon=1e-5,
+        max_position_embeddings=262144, attention_bias=False, tie_word_embeddings=False, hidden_act="silu"),
 }
+# Per-layer lists of the released configs, cut to the layer count; the MLP ones with their (dense, MoE) entries
+LAYER_LISTS = ("layer_types", "hybrid_layer_pattern")
+MLP_LISTS = {"mlp_layer_types": ("dense", "sparse"), "moe_layer_freq": (0, 1)}
 POOL_ELEMENTS = 1 << 24  # 32 MiB of bf16 random values, tiled
 FP8_BLOCK = 128
 # DeepSeek-V3's config.json (the released FP8 checkpoint's)
@@ -96,26 +111,30 @@ def shape_config(shape: str, num_layers: int, num_dense_layers: int | None = Non
     config = copy.deepcopy(SHAPES[shape])
     text = config.get("text_config", config)
     text["num_hidden_layers"] = num_layers
-    if num_dense_layers is not None:
-        if num_dense_layers and "first_k_dense_replace" not in text:
-            raise ValueError(f"shape '{shape}' has no dense layers: its dense layer count must be 0")
-        if not 0 <= num_dense_layers <= num_layers:
-            raise ValueError(f"dense layer count {num_dense_layers} must be in 0..{num_layers} (the layer count)")
+    for key in (*LAYER_LISTS, *MLP_LISTS):
+        if key in text:
+            text[key] = text[key][:num_layers]
     if num_dense_layers is None:
         if "first_k_dense_replace" in text:
             text["first_k_dense_replace"] = min(text["first_k_dense_replace"], num_layers - 1)
-        if "mlp_layer_types" in text:
-            text["mlp_layer_types"] = text["mlp_layer_types"][:num_layers]
-    elif "first_k_dense_replace" in text:
+        return config
+    if num_dense_layers and not has_dense_layers(shape):
+        raise ValueError(f"shape '{shape}' has no dense layers: its dense layer count must be 0")
+    if not 0 <= num_dense_layers <= num_layers:
+        raise ValueError(f"dense layer count {num_dense_layers} must be in 0..{num_layers} (the layer count)")
+    if "first_k_dense_replace" in text:
         text["first_k_dense_replace"] = num_dense_layers
-        if "mlp_layer_types" in text:
-            text["mlp_layer_types"] = ["dense"] * num_dense_layers + ["sparse"] * (num_layers - num_dense_layers)
+    for key, (dense, moe) in MLP_LISTS.items():
+        if key in text:
+            text[key] = [dense] * num_dense_layers + [moe] * (num_layers - num_dense_layers)
     return config
 
 
 def has_dense_layers(shape: str) -> bool:
     """Whether `shape`'s released model starts with dense (non-MoE) layers."""
-    return bool(SHAPES[shape].get("text_config", SHAPES[shape]).get("first_k_dense_replace"))
+    text = SHAPES[shape].get("text_config", SHAPES[shape])
+    return bool(text.get("first_k_dense_replace")) or any(
+        text.get(key, [moe])[0] == dense for key, (dense, moe) in MLP_LISTS.items())
 
 
 def write_synthetic_checkpoint(path: str | Path, shape: str, num_layers: int, seed: int = 0, fp8: bool = False,

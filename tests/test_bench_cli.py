@@ -18,8 +18,10 @@ from hybrid.synthetic import SHAPES, shape_config, write_synthetic_checkpoint
 #   gives 1.04 trillion total / 32 billion activated parameters for that text model.
 # - minimax-m2: MiniMax-M2's model card: 230 billion total / 10 billion active parameters.
 # - glm-4.7-flash: GLM-4.7-Flash's model card: "a 30B-A3B MoE model" (30 billion total, 3 billion active).
+# - mimo-v2-flash: MiMo-V2-Flash's model card: 309 billion total / 15 billion active parameters.
 RELEASED = {"qwen3-30b-a3b": (48, 30.5), "qwen3-235b-a22b": (94, 235.1), "deepseek-v3": (61, 671.0),
-            "kimi-k2.5": (61, 1040.0), "minimax-m2": (62, 230.0), "glm-4.7-flash": (47, 30.0)}
+            "kimi-k2.5": (61, 1040.0), "minimax-m2": (62, 230.0), "glm-4.7-flash": (47, 30.0),
+            "mimo-v2-flash": (48, 309.0)}
 
 
 def test_usage_lists_the_benchmarks(capsys):

@@ -1,6 +1,7 @@
-"""Grouped-query attention (Qwen, Mixtral, GLM, MiniMax, gpt-oss): optional q/k/v bias, QK RMSNorm per head or over
-the whole projection (`AttentionConfig.qk_norm`), partial rotary, sliding window, attention sinks. The paged KV
-cache is bound by the runner (`kv_cache`), the math lives in the backend."""
+"""Grouped-query attention (Qwen, Mixtral, GLM, MiniMax, gpt-oss, MiMo): optional q/k/v bias, QK RMSNorm per head or
+over the whole projection (`AttentionConfig.qk_norm`), partial rotary, sliding window, attention sinks, a V head dim
+of its own (`v_head_dim`) and a V scale (`value_scale`). The paged KV cache is bound by the runner (`kv_cache`), the
+math lives in the backend."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ class GQAAttention(nn.Module):
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.q_proj = nn.Linear(hidden_size, q_size, bias=cfg.has_qkv_bias)
         self.k_proj = nn.Linear(hidden_size, kv_size, bias=cfg.has_qkv_bias)
-        self.v_proj = nn.Linear(hidden_size, kv_size, bias=cfg.has_qkv_bias)
-        self.o_proj = nn.Linear(q_size, hidden_size, bias=cfg.has_o_bias)
+        self.v_proj = nn.Linear(hidden_size, cfg.num_kv_heads * cfg.v_head_dim, bias=cfg.has_qkv_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.v_head_dim, hidden_size, bias=cfg.has_o_bias)
         if cfg.qk_norm != "none":
             is_whole = cfg.qk_norm == "whole"
             self.q_norm = RMSNorm(q_size if is_whole else cfg.head_dim, eps, rotary.ops)
@@ -33,8 +34,8 @@ class GQAAttention(nn.Module):
         self.kv_cache: tuple[torch.Tensor, ...] = ()
 
     def kv_cache_shapes(self) -> tuple[tuple[int, int], ...]:
-        """Per-slot shapes of this layer's cache tensors: K and V as [kv_heads, head_dim]."""
-        return ((self.cfg.num_kv_heads, self.cfg.head_dim), (self.cfg.num_kv_heads, self.cfg.head_dim))
+        """Per-slot shapes of this layer's cache tensors: K as [kv_heads, head_dim], V as [kv_heads, v_head_dim]."""
+        return ((self.cfg.num_kv_heads, self.cfg.head_dim), (self.cfg.num_kv_heads, self.cfg.v_head_dim))
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         cfg, num_tokens = self.cfg, x.shape[0]
@@ -43,11 +44,13 @@ class GQAAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)  # [T, Hq, D]
         k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)  # [T, Hkv, D]
-        v = self.v_proj(x).view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        v = self.v_proj(x).view(num_tokens, cfg.num_kv_heads, cfg.v_head_dim)
+        if cfg.value_scale != 1.0:  # where MiMo's reference scales V: before the cache, so it is stored rounded
+            v = v * cfg.value_scale
         if cfg.qk_norm == "per_head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(batch.positions, q, k)
         # the kernels take float32 sinks; a bf16 checkpoint's values widen exactly
         sinks = self.sinks.float() if cfg.has_sinks else None
         out = self.backend.gqa(q, k, v, self.kv_cache, batch, cfg.scale, cfg.sliding_window, sinks)
-        return self.o_proj(out.reshape(num_tokens, cfg.num_heads * cfg.head_dim))
+        return self.o_proj(out.reshape(num_tokens, cfg.num_heads * cfg.v_head_dim))

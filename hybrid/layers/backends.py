@@ -42,7 +42,8 @@ class TorchAttentionBackend:
         sliding_window: int | None,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`sinks`: float32 [Hq] logits, one more per head in each softmax denominator (gpt-oss), or None."""
+        """q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, Dv] (Dv may differ from D: MiMo) -> [T, Hq, Dv]. `sinks`: float32
+        [Hq] logits, one more per head in each softmax denominator (gpt-oss), or None."""
         k_cache, v_cache = kv_cache
         reference.write_kv_cache(k_cache, k, batch.slot_mapping)
         reference.write_kv_cache(v_cache, v, batch.slot_mapping)
@@ -89,7 +90,7 @@ class TritonAttentionBackend:
             return False
         if cfg.kind == "mla":
             return mla.supports_dims(cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank)
-        return (cfg.head_dim == cfg.v_head_dim and cfg.head_dim in attention.SUPPORTED_HEAD_DIMS
+        return (attention.supports_head_dims(cfg.head_dim, cfg.v_head_dim)
                 and cfg.num_heads // cfg.num_kv_heads <= attention.MAX_GROUP)
 
     def gqa(self, q, k, v, kv_cache, batch: ForwardBatch, scale: float, sliding_window: int | None,

@@ -15,6 +15,7 @@ from hybrid.models.glm4_moe import Glm4MoeForCausalLM
 from hybrid.models.glm4_moe_lite import Glm4MoeLiteForCausalLM
 from hybrid.models.gpt_oss import GptOssForCausalLM
 from hybrid.models.kimi import KimiK25ForConditionalGeneration
+from hybrid.models.mimo_v2_flash import MiMoV2FlashForCausalLM
 from hybrid.models.minimax import MiniMaxM2ForCausalLM
 from hybrid.models.mixtral import MixtralForCausalLM
 from hybrid.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
@@ -30,6 +31,7 @@ MODEL_REGISTRY: dict[str, type[MoECausalLM]] = {
     "KimiK25ForConditionalGeneration": KimiK25ForConditionalGeneration,  # Kimi-K2.5 / K2.6 (the Hub's spelling)
     "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,  # MiniMax-M2, M2.1, M2.5, M2.7
     "GptOssForCausalLM": GptOssForCausalLM,  # gpt-oss-20b, gpt-oss-120b
+    "MiMoV2FlashForCausalLM": MiMoV2FlashForCausalLM,  # MiMo-V2-Flash
 }
 SUPPORTED_ARCHITECTURES = tuple(sorted(MODEL_REGISTRY))
 
