@@ -6,7 +6,7 @@ and joins numba's OpenMP team three times a layer, waking threads that slept thr
 Here every thread of the pool watches the request flag itself, and a layer's phases are separated by spinning
 barriers instead of fork/join: no Python and no wake-ups between the layers of a step.
 
-Protocol (the device side is unchanged: `hybrid.cuda_graphs.GraphHandoff` on the `FlagWorker`'s flags and buffers):
+Protocol (the device side is unchanged: `hybrid.cpu_handoff.GraphHandoff` on the `FlagWorker`'s flags and buffers):
 1. `arm(num_tokens, num_layers)` publishes the step in the control block and bumps its generation;
 2. every thread sees the request flag (layer + 1) and routes the step's (token, slot) pairs itself (at most a few
    hundred ids: cheaper than sharing them);

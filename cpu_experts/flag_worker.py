@@ -2,7 +2,7 @@
 memory, so a captured decode graph can hand routed tokens to the CPU experts and wait for their result without
 the host launching anything.
 
-Protocol, per step (the device side is `hybrid.cuda_graphs.GraphHandoff` with the kernels of
+Protocol, per step (the device side is `hybrid.cpu_handoff.GraphHandoff` with the kernels of
 `gpu_layers.handoff`):
 1. the host `arm(num_tokens, num_layers)`s the worker (a job on the `AsyncExperts` thread, the one that runs every
    CPU-expert kernel), then replays the graph;

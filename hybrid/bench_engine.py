@@ -29,7 +29,7 @@ from hybrid.engine import Engine
 from hybrid.engine_config import EngineConfig
 from hybrid.layers.moe import SparseMoE
 from hybrid.llm import LLM
-from hybrid.placement import HybridExperts
+from hybrid.routed_experts import RoutedExperts
 from hybrid.sampling import SamplingParams
 from hybrid.synthetic import SHAPES, write_synthetic_checkpoint, write_synthetic_converted
 
@@ -114,10 +114,8 @@ def expert_bytes_per_step(llm: LLM, num_tokens: int) -> float:
     cpu-moe`'s). GPU-resident experts (`gpu_experts`) are not read by the CPU."""
     num_experts, top_k = llm.config.moe.num_experts, llm.config.moe.top_k
     is_routed = 1 - (1 - top_k / num_experts) ** num_tokens  # chance that a given expert gets a token
-    hybrid = [m for m in llm.model.modules() if isinstance(m, HybridExperts)]
-    on_gpu = {id(getattr(m.cpu_experts, "cpu_experts", m.cpu_experts)): len(m.gpu_expert_ids) for m in hybrid}
-    return sum(m.op.layer.expert_bytes() * (num_experts - on_gpu.get(id(m), 0)) * is_routed
-               for m in llm.model.modules() if isinstance(m, CpuExperts))
+    return sum(m.cpu_experts.op.layer.expert_bytes() * (num_experts - len(m.gpu_expert_ids)) * is_routed
+               for m in llm.model.modules() if isinstance(m, RoutedExperts) and m.has_cpu_part)
 
 
 def _time_steps(engine: Engine, timer: CpuExpertsTimer) -> tuple[float, list[float]]:

@@ -100,11 +100,6 @@ class ConvertedExperts:
         return weight if spec.dtype == "bf16" else dequantize_matrix(weight, scales, role, spec, tensor_scale)
 
 
-def cpu_experts_factory(layer_idx: int, config, int8_activations: bool = True) -> CpuExperts:
-    """Experts factory for converted models: the CPU operator, its weights loaded by `load_cpu_experts`."""
-    return CpuExperts(layer_idx, int8_activations=int8_activations)
-
-
 def load_cpu_experts(model, experts: ConvertedExperts, num_partitions: int, progress=None) -> None:
     """Hands every `CpuExperts` module of `model` its layer's packed weights, split into `num_partitions`.
     `progress`: wraps the list of modules (a progress bar)."""
@@ -120,11 +115,10 @@ def load_cpu_experts(model, experts: ConvertedExperts, num_partitions: int, prog
         module.load(PackedLayer.from_file_tensors(tensors, spec, num_partitions))
 
 
-def bind_cpu_executor(model, max_tokens: int, dtype: torch.dtype, num_threads: int | None = None
-                      ) -> AsyncExperts | None:
-    """One asynchronous executor for every `CpuExperts` of `model` (they run one layer at a time), bound to each,
-    so the MoE blocks overlap their shared expert with the CPU's routed experts; None if the model has none.
-    `num_threads`: of the kernels' pool (`cpu_experts.topology.use_kernel_threads`)."""
+def cpu_executor(model, max_tokens: int, dtype: torch.dtype, num_threads: int | None = None) -> AsyncExperts | None:
+    """One asynchronous executor for every `CpuExperts` of `model` (they run one layer at a time; the model's
+    `CpuHandoff` submits to it), so the MoE blocks overlap their shared expert with the CPU's routed experts; None
+    if the model has none. `num_threads`: of the kernels' pool (`cpu_experts.topology.use_kernel_threads`)."""
     modules = {m.layer_idx: m for m in model.modules() if isinstance(m, CpuExperts)}
     if not modules:
         return None
@@ -133,8 +127,4 @@ def bind_cpu_executor(model, max_tokens: int, dtype: torch.dtype, num_threads: i
     def compute(layer, hidden, topk_ids, topk_weights, out):
         modules[layer].compute(hidden, topk_ids, topk_weights, out)
 
-    executor = AsyncExperts(compute, max_tokens, config.hidden_size, config.moe.top_k, dtype,
-                            num_threads=num_threads)
-    for module in modules.values():
-        module.bind(executor)
-    return executor
+    return AsyncExperts(compute, max_tokens, config.hidden_size, config.moe.top_k, dtype, num_threads=num_threads)

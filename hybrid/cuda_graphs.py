@@ -6,10 +6,10 @@ launching a few hundred kernels per token. Inputs live in static device buffers 
 (`_fill`); padded rows write no KV (slot -1), attend to one key and route no token to the CPU. The decode
 kernels size their grids by the largest context (`max_model_len`), so one graph serves every context length.
 
-CPU experts inside the graph: while capturing, each `CpuExperts` module is bound to a `GraphHandoff` (the
-executor API, `submit`/`sync`, done with device work only): submit copies the layer's routed tokens into the
-`FlagWorker`'s pinned buffers and posts the layer on a flag; the shared and GPU-resident experts run; sync waits
-on the GPU for the worker's done flag and copies the output back. The host arms the worker before each replay and
+CPU experts inside the graph: capture (and `run_eagerly`) runs the model's `CpuHandoff` in `StepMode.GRAPH`
+(`hybrid.cpu_handoff.GraphHandoff`, device work only): submit copies the layer's routed tokens into the
+`FlagWorker`'s pinned buffers and posts the layer on a flag; the shared and GPU-resident experts run; collect
+waits on the GPU for the worker's done flag and copies the output back. The host arms the worker before each replay and
 checks it once the step has synchronised (`finish_step`). Where the layers' experts suit it, the same flags and
 buffers are served by `cpu_experts.decode_pool.DecodePool` instead (steps below the prefill kernels' threshold);
 the device side cannot tell the two apart.
@@ -25,45 +25,13 @@ import contextlib
 import torch
 
 from cpu_experts.decode_pool import DecodePool, supports
-from cpu_experts.flag_worker import DONE, REQUEST, FlagWorker
+from cpu_experts.flag_worker import FlagWorker
 from cpu_experts.module import CpuExperts
 from cpu_experts.topology import allowed_cpus
-from gpu_layers.handoff import post_flag, wait_flag
 from hybrid.block_manager import blocks_needed
+from hybrid.cpu_handoff import GraphHandoff, StepMode
 from hybrid.forward_batch import ForwardBatch, SequenceSlice
 from hybrid.layers.moe import SparseMoE
-
-
-class GraphHandoff:
-    """The executor API of `cpu_experts.executor` for captured graphs: only device work and copies, no host
-    decisions. Rows at or past the step's batch (`valid_rows` False) are routed nowhere (ids -1)."""
-
-    def __init__(self, worker: FlagWorker, device: torch.device):
-        self.worker = worker
-        self.dtype = worker.dtype
-        self.valid_rows = torch.zeros(worker.max_tokens, 1, dtype=torch.bool, device=device)
-        self.out = torch.zeros(worker.max_tokens, worker.hidden_size, dtype=worker.dtype, device=device)
-        self.request_flag = worker.flags[REQUEST:REQUEST + 1]
-        self.done_flag = worker.flags[DONE:DONE + 1]
-        self._pending: tuple[int, int] | None = None
-
-    def submit(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
-        num_tokens = hidden.shape[0]
-        w = self.worker
-        w._validate(hidden, topk_ids, topk_weights)
-        topk_ids = topk_ids.masked_fill(~self.valid_rows[:num_tokens], -1)
-        w.hidden_buffer[:num_tokens].copy_(hidden, non_blocking=True)
-        w.ids_buffer[:num_tokens].copy_(topk_ids, non_blocking=True)
-        w.weights_buffer[:num_tokens].copy_(topk_weights, non_blocking=True)
-        post_flag(self.request_flag, layer + 1)  # stream order: after the copies have landed
-        self._pending = (layer, num_tokens)
-
-    def sync(self) -> torch.Tensor:
-        layer, num_tokens = self._pending
-        self._pending = None
-        wait_flag(self.done_flag, layer + 1)
-        self.out[:num_tokens].copy_(self.worker.out_buffer[:num_tokens], non_blocking=True)
-        return self.out[:num_tokens]
 
 
 def graph_buckets(max_batch: int) -> list[int]:
@@ -96,12 +64,12 @@ class CudaGraphRunner:
         if self.cpu_modules:
             executor = llm.cpu_executor
             self.worker = FlagWorker(executor, n)
-            self.handoff = GraphHandoff(self.worker, self.device)
+            self.handoff = llm.cpu_handoff.graph = GraphHandoff(self.worker, self.device)
             self.pool = self._decode_pool(executor) if cfg.cpu_decode_pool else None
         self._armed = None  # who serves the step in flight: the pool or the worker
         # CPU requests per step: one per MoE layer, two where the layer defers experts to the next one
         self.num_requests = sum(1 + m.is_deferring for m in self.model.modules()
-                                if isinstance(m, SparseMoE) and getattr(m.experts, "is_async", False))
+                                if isinstance(m, SparseMoE) and getattr(m.experts, "has_cpu_part", False))
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.num_replays = 0
@@ -150,7 +118,7 @@ class CudaGraphRunner:
         """Largest bucket first, all sharing one memory pool; each is run eagerly first (kernel compilation, the
         allocator's warm-up) with every row padding, so nothing is written to the KV cache."""
         pool = None
-        with self._handoff_bound():
+        with self._graph_mode():
             for size in reversed(self.buckets):
                 for _ in range(2):
                     self._arm(size)
@@ -175,20 +143,15 @@ class CudaGraphRunner:
     def run_eagerly(self, seqs: list[SequenceSlice], input_ids: list[int]) -> torch.Tensor:
         """The step `run` replays, launched op by op (same buffers, shapes and hand-off): checks and debugging."""
         size = self._fill(seqs, input_ids)
-        with self._handoff_bound():
+        with self._graph_mode():
             self._arm(size)
             return self._forward(size)[:len(seqs)]
 
-    @contextlib.contextmanager
-    def _handoff_bound(self):
-        """The CPU experts bound to the graph hand-off (what a captured step calls), then back to the executor."""
-        for module in self.cpu_modules:
-            module.bind(self.handoff)
-        try:
-            yield
-        finally:
-            for module in self.cpu_modules:
-                module.bind(self.llm.cpu_executor)
+    def _graph_mode(self):
+        """The CPU experts reached through the graph hand-off (what a captured step does)."""
+        if self.handoff is None:
+            return contextlib.nullcontext()
+        return self.llm.cpu_handoff.step_mode(StepMode.GRAPH)
 
     def _fill(self, seqs: list[SequenceSlice], input_ids: list[int]) -> int:
         """Writes the step into the static buffers of the smallest bucket that holds it; returns that bucket."""

@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 
 def cpu_layers(model) -> dict[int, CpuExperts]:
-    """The `CpuExperts` modules of `model` by MoE layer (inside `HybridExperts` or streamed wrappers too)."""
+    """The `CpuExperts` modules of `model` by MoE layer (each inside its layer's `RoutedExperts`)."""
     return {module.layer_idx: module for module in model.modules() if isinstance(module, CpuExperts)}
 
 

@@ -15,7 +15,8 @@ import torch
 from cpu_experts.topology import allowed_cpus, discover_nodes, use_kernel_threads
 from hybrid.block_manager import PrefixCachingBlockManager, blocks_needed
 from hybrid.config import resolve_max_model_len
-from hybrid.converted import bind_cpu_executor, cpu_experts_factory, read_manifest
+from hybrid.converted import cpu_executor, read_manifest
+from hybrid.cpu_handoff import CpuHandoff
 from hybrid.engine_config import EngineConfig
 from hybrid.errors import ConfigError
 from hybrid.forward_batch import ForwardBatch, SequenceSlice
@@ -24,16 +25,10 @@ from hybrid.layers.backends import Backends, uses_gemm_kernels
 from hybrid.loader import load_weights
 from hybrid.models import load_model_config
 from hybrid.models.base import MoECausalLM
-from hybrid.placement import (
-    ExpertPlacement,
-    RoutingRecorder,
-    RoutingStats,
-    activation_bytes,
-    auto_gpu_experts,
-    hybrid_experts_factory,
-)
+from hybrid.placement import ExpertPlacement, RoutingRecorder, RoutingStats, activation_bytes, auto_gpu_experts
+from hybrid.routed_experts import RoutedExperts, cpu_experts_factory
 from hybrid.sampling import NON_FINITE_LOGITS, SamplingParams
-from hybrid.streaming import attach_streamed, min_streamed_tokens, reserve_bytes, wrap_streamed
+from hybrid.streaming import attach_streamed, min_streamed_tokens, reserve_bytes
 
 
 def build_model(cls: type[MoECausalLM], config, engine: EngineConfig, backends: Backends | None = None):
@@ -76,6 +71,8 @@ class LLM:
         self.gpu_prefill_tokens = min_streamed_tokens(cfg, moe.num_experts, moe.top_k) if is_cpu_experts else 0
         self.num_gpu_experts = 0
         make_experts = None
+        # the one path from MoE layers to their CPU experts; the runner sets its step mode
+        self.cpu_handoff = CpuHandoff() if is_cpu_experts else None
         if is_cpu_experts:
             self.num_gpu_experts = self._resolve_gpu_experts(cls, num_blocks)
             make_experts = self._cpu_experts_factory(self.num_gpu_experts)
@@ -86,13 +83,13 @@ class LLM:
                                        make_experts, cfg.defer_experts)
         self.backends = backends
         self.model = build_model(cls, self.config, cfg, backends)
-        streamed = wrap_streamed(self.model, self.gpu_prefill_tokens, cfg.device) if self.gpu_prefill_tokens else []
         partitions = cfg.numa_partitions or len(discover_nodes())
         load_weights(self.model, path, partitions, keep_quantized=backends.keep_quantized,
                      expert_dtype=cfg.expert_dtype)
         for module in self.model.modules():
             if hasattr(module, "fuse_gate_up"):
                 module.fuse_gate_up()  # the kernels' stacked gate/up layout (MLPs: only when the ops use it)
+        streamed = [m.streamed for m in self.model.modules() if isinstance(m, RoutedExperts) and m.streamed]
         self.expert_stream, self.num_pinned_bytes = attach_streamed(streamed, cfg.device) if streamed else (None, 0)
         if num_threads is not None:
             # torch's own OpenMP pool, once woken by a CPU op, spins on the cores the expert kernels need: on the
@@ -105,7 +102,8 @@ class LLM:
         # thread that drives the GPU)
         self.cpu_executor = None
         if is_cpu_experts:
-            self.cpu_executor = bind_cpu_executor(self.model, self.max_model_len, torch.float32, num_threads)
+            self.cpu_executor = cpu_executor(self.model, self.max_model_len, torch.float32, num_threads)
+            self.cpu_handoff.executor = self.cpu_executor
         # the one owner of this model's KV pages: every engine over it and prefill_logits take pages from it
         self.blocks = PrefixCachingBlockManager(num_blocks, block_size, cfg.enable_prefix_caching)
         self.engine = None  # what generate() runs through: the newest Engine(self), else one generate() builds
@@ -144,7 +142,7 @@ class LLM:
             return 0
         total = torch.cuda.get_device_properties(torch.device(cfg.device)).total_memory
         meta = build_model(cls, self.config, replace(cfg, device="meta"),
-                           Backends(make_experts=partial(cpu_experts_factory, int8_activations=True)))
+                           Backends(make_experts=partial(cpu_experts_factory, handoff=CpuHandoff())))
         dense_bytes = sum(t.numel() * t.element_size() for t in itertools.chain(meta.parameters(), meta.buffers()))
         kv_bytes = kv_bytes_per_token(meta.attention_layers(), cfg.torch_dtype) * num_blocks * cfg.block_size
         moe = self.config.moe
@@ -155,18 +153,18 @@ class LLM:
                                 cfg.torch_dtype.itemsize)
 
     def _cpu_experts_factory(self, num_gpu_experts: int):
-        """The CPU operator for every routed expert, or `HybridExperts` where `gpu_experts` keeps some on the
-        engine's device (placement chosen here, once)."""
+        """Each MoE layer's `RoutedExperts`: the CPU operator, less the experts `gpu_experts` keeps on the engine's
+        device (placement chosen here, once), with streamed prefill where `gpu_prefill_tokens` asks for it."""
         cfg = self.engine_config
-        int8_activations = cfg.expert_activations == "int8"
-        if num_gpu_experts == 0:
-            return partial(cpu_experts_factory, int8_activations=int8_activations)
-        stats = RoutingStats.read(cfg.routing_stats) if cfg.routing_stats else None
-        placement = ExpertPlacement.choose(self.config.moe_layer_indices, self.config.moe.num_experts,
-                                           num_gpu_experts, stats)
-        is_fused = uses_gemm_kernels(cfg.device, cfg.kernels, cfg.torch_dtype)
-        return partial(hybrid_experts_factory, placement=placement, int8_activations=int8_activations,
-                       is_fused=is_fused)
+        placement = None
+        if num_gpu_experts:
+            stats = RoutingStats.read(cfg.routing_stats) if cfg.routing_stats else None
+            placement = ExpertPlacement.choose(self.config.moe_layer_indices, self.config.moe.num_experts,
+                                               num_gpu_experts, stats)
+        return partial(cpu_experts_factory, handoff=self.cpu_handoff, placement=placement,
+                       int8_activations=cfg.expert_activations == "int8",
+                       is_fused=uses_gemm_kernels(cfg.device, cfg.kernels, cfg.torch_dtype),
+                       min_streamed_tokens=self.gpu_prefill_tokens, device=cfg.device)
 
     def attach_engine(self, engine) -> None:
         """`Engine.__init__` calls this: the newest engine over the model is the one `generate` runs through (one

@@ -1,15 +1,9 @@
-"""Which routed experts live on the GPU: placement data chosen once at start-up, and the module that splits a
-layer's experts between the GPU and the CPU by it.
+"""Which routed experts live on the GPU: placement data chosen once at start-up (the layers' `RoutedExperts`,
+`hybrid.routed_experts`, split each step's experts by it).
 
 `ExpertPlacement.choose` keeps, per MoE layer, the `num_gpu_experts` experts routed to most often (counts from a
 routing-statistics file, `RoutingStats`, JSON {"layers": {"3": [count per expert], ...}}), or the first ones when
 there are no statistics (routing is then taken as uniform, where any choice is as good).
-
-`HybridExperts` (one per MoE layer of a converted model): its own stacked parameters hold the GPU-resident
-experts, named by their global ids so the loader fills them from the expert files (dequantized); `cpu_experts` is the
-CPU operator for all experts, and sees the GPU-resident ones as -1. Per call: ids [T, K] -> local GPU slots (or
--1) and CPU ids (or -1); the CPU part is submitted first (when its executor is bound) and the GPU part computed
-while it runs; the two outputs add up to the layer's output.
 """
 
 from __future__ import annotations
@@ -20,8 +14,7 @@ from pathlib import Path
 
 import torch
 
-from cpu_experts.module import CpuExperts
-from hybrid.layers.moe import Router, TorchExperts, TritonExperts
+from hybrid.layers.moe import Router
 
 
 @dataclass(frozen=True)
@@ -106,77 +99,3 @@ def activation_bytes(config, max_tokens: int) -> int:
     plus the logits, plus 1 GiB for the CUDA context, graphs and kernels' workspaces."""
     width = max(config.hidden_size, config.moe.intermediate_size * config.moe.top_k, 4 * config.hidden_size)
     return 8 * max_tokens * width * 4 + 64 * config.vocab_size * 4 + (1 << 30)
-
-
-class HybridExperts(TritonExperts):
-    """`is_fused`: the GPU-resident experts run through the fused-MoE kernel (gate and up stacked after loading,
-    `TritonExperts`), else through the PyTorch reference."""
-
-    def __init__(self, cpu: CpuExperts, gpu_expert_ids: tuple[int, ...], num_experts: int, hidden_size: int,
-                 intermediate_size: int, proj_names: tuple[str, str, str], is_fused: bool = False):
-        super().__init__(len(gpu_expert_ids), hidden_size, intermediate_size, proj_names)
-        self.is_fused = is_fused
-        self.cpu_experts = cpu
-        self.gpu_expert_ids = gpu_expert_ids
-        self.num_experts = num_experts
-        self.register_buffer("local_slot", self._slots(), persistent=False)  # global id -> GPU slot, or -1
-        self._gpu_out: torch.Tensor | None = None
-
-    def _slots(self) -> torch.Tensor:
-        slots = torch.full((self.num_experts,), -1, dtype=torch.int64, device="cpu")
-        slots[list(self.gpu_expert_ids)] = torch.arange(len(self.gpu_expert_ids))
-        return slots
-
-    def reset_buffers(self) -> None:
-        """Rebuilt after the model was built on the meta device (like the rotary frequencies)."""
-        self.local_slot = self._slots().to(self.local_slot.device)
-
-    def checkpoint_targets(self):
-        """Slot s holds expert gpu_expert_ids[s]: named by its global id, as the expert files name it."""
-        for name in self.proj_names:
-            stacked = getattr(self, name)
-            for slot, expert in enumerate(self.gpu_expert_ids):
-                yield f"{expert}.{name}.weight", stacked.data[slot]
-
-    def fuse_gate_up(self) -> None:
-        if self.is_fused:
-            super().fuse_gate_up()
-
-    @property
-    def is_async(self) -> bool:
-        return self.cpu_experts.is_async
-
-    def _split(self, topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """topk_ids [T, K] -> (GPU slots or -1, CPU ids or -1), both [T, K] int64."""
-        ids = topk_ids.long()
-        local = torch.where(ids >= 0, self.local_slot[ids.clamp_min(0)], -1)
-        return local, torch.where(local >= 0, -1, ids)
-
-    def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        local, cpu_ids = self._split(topk_ids)
-        return self.cpu_experts(hidden, cpu_ids, topk_weights) + super().forward(hidden, local, topk_weights)
-
-    def submit(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
-        local, cpu_ids = self._split(topk_ids)
-        self.cpu_experts.submit(hidden, cpu_ids, topk_weights)
-        self._gpu_out = super().forward(hidden, local, topk_weights)  # while the CPU computes its part
-
-    def sync(self, like: torch.Tensor) -> torch.Tensor:
-        gpu_out, self._gpu_out = self._gpu_out, None
-        return self.cpu_experts.sync(like) + gpu_out
-
-
-def hybrid_experts_factory(layer_idx: int, config, placement: ExpertPlacement, int8_activations: bool = True,
-                           is_fused: bool = False):
-    """Experts factory for converted models with GPU-resident experts: `HybridExperts` where the placement puts
-    some on the GPU, else the CPU operator alone."""
-    cpu = CpuExperts(layer_idx, int8_activations=int8_activations)
-    gpu_ids = placement.gpu_experts.get(layer_idx, ())
-    if not gpu_ids:
-        return cpu
-    moe = config.moe
-    if len(gpu_ids) == moe.num_experts:  # the whole layer fits: no CPU part to hand anything to
-        cls = TritonExperts if is_fused else TorchExperts
-        return cls(moe.num_experts, config.hidden_size, moe.intermediate_size, moe.expert_proj_names)
-    return HybridExperts(cpu, gpu_ids, moe.num_experts, config.hidden_size, moe.intermediate_size,
-                         moe.expert_proj_names, is_fused)

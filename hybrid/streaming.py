@@ -14,12 +14,12 @@ Pieces:
   the link never idles. Events order the two streams: a unit's compute waits for its copy; a slot's next copy
   waits for the compute that read it. No host sync anywhere: a slot still holding its unit (a model whose units
   all fit) is reused, not re-copied.
-- `StreamedExperts` wraps a layer's `CpuExperts`: steps of at least `min_tokens` tokens run here, per unit:
-  int8/int4 weights -> bf16 (`gpu_layers.dequant`, gate and up side by side in one [c, 2Ip, H] table) ->
-  `gpu_layers.fused_moe` with the ids shifted by `first` (ids outside the unit count as elsewhere); the units'
-  outputs add up in float32. Smaller steps (decode) and steps being captured into a CUDA graph go to the CPU
-  module unchanged. The activations stay in the model's dtype (the CPU path's int8 activation rounding does not
-  apply). Layers whose weights could not be page-locked stay on the CPU.
+- `StreamedPrefill`, a part of a layer's `hybrid.routed_experts.RoutedExperts`: the eager steps of at least
+  `min_tokens` tokens run here, per unit: int8/int4 weights -> bf16 (`gpu_layers.dequant`, gate and up side by
+  side in one [c, 2Ip, H] table) -> `gpu_layers.fused_moe` with the ids shifted by `first` (ids outside the unit
+  count as elsewhere); the units' outputs add up in float32. Smaller steps (decode) and graph steps go to the CPU.
+  The activations stay in the model's dtype (the CPU path's int8 activation rounding does not apply). Layers whose
+  weights could not be page-locked stay on the CPU.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from torch import nn
 
 from cpu_experts.module import CpuExperts
 from cpu_experts.packed import PackedLayer
@@ -161,19 +160,15 @@ class ExpertStream:
         return views
 
 
-class StreamedExperts(nn.Module):
+class StreamedPrefill:
+    """Streamed prefill of one layer's CPU experts (module docstring); `RoutedExperts` asks `takes` per step."""
+
     def __init__(self, cpu: CpuExperts, min_tokens: int, device: torch.device | str):
-        super().__init__()
         self.cpu_experts = cpu
         self.min_tokens = min_tokens
         self.device = torch.device(device)
         self.stream: ExpertStream | None = None
         self.units = range(0)
-        self._out: torch.Tensor | None = None
-
-    @property
-    def is_async(self) -> bool:
-        return self.cpu_experts.is_async
 
     @property
     def is_streamable(self) -> bool:
@@ -183,9 +178,6 @@ class StreamedExperts(nn.Module):
         layer = self.cpu_experts.op.layer
         return layer.spec.dtype in STREAMED_DTYPES and layer.spec.hidden_size % 16 == 0 \
             and all(p.size % 16 == 0 for p in layer.partitions)
-
-    def checkpoint_targets(self):
-        return iter(())  # the CpuExperts inside receives the packed weights
 
     def attach(self, stream: ExpertStream, chunk_bytes: int | None = None, pin: bool = True) -> int:
         """Registers the layer's units with the model's stream (after loading, in layer order); the bytes
@@ -198,25 +190,10 @@ class StreamedExperts(nn.Module):
             self.stream, self.units = stream, stream.add_layer(layer, chunk_bytes)
         return pinned
 
-    def _uses_gpu(self, hidden: torch.Tensor) -> bool:
+    def takes(self, hidden: torch.Tensor) -> bool:
+        """Whether an eager step of `hidden` [T, H] runs here: attached, at least min_tokens, on the device."""
         return (self.stream is not None and hidden.shape[0] >= self.min_tokens
-                and hidden.device.type == self.device.type  # "cuda" and "cuda:0" alike
-                and not (hidden.is_cuda and torch.cuda.is_current_stream_capturing()))
-
-    def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        if self._uses_gpu(hidden):
-            return self.compute_on_gpu(hidden, topk_ids, topk_weights)
-        return self.cpu_experts(hidden, topk_ids, topk_weights)
-
-    def submit(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
-        if self._uses_gpu(hidden):
-            self._out = self.compute_on_gpu(hidden, topk_ids, topk_weights)
-        else:
-            self.cpu_experts.submit(hidden, topk_ids, topk_weights)
-
-    def sync(self, like: torch.Tensor) -> torch.Tensor:
-        out, self._out = self._out, None
-        return self.cpu_experts.sync(like) if out is None else out
+                and hidden.device.type == self.device.type)  # "cuda" and "cuda:0" alike
 
     def compute_on_gpu(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
         """hidden [T, H] (bf16/fp16), topk_ids [T, K] (-1: not here) -> [T, H]; no host sync."""
@@ -275,20 +252,7 @@ def reserve_bytes(num_experts: int, hidden_size: int, intermediate_size: int) ->
     return (NUM_SLOTS + 2) * min(CHUNK_BYTES, 3 * num_experts * hidden_size * intermediate_size)
 
 
-def wrap_streamed(model: nn.Module, min_tokens: int, device: torch.device | str) -> list[StreamedExperts]:
-    """Puts a `StreamedExperts` around every MoE layer's CPU experts (inside `HybridExperts` too), in layer
-    order; `attach_streamed` connects them to the stream once their weights are loaded."""
-    wrapped = []
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, CpuExperts):
-                streamed = StreamedExperts(child, min_tokens, device)
-                setattr(module, name, streamed)
-                wrapped.append(streamed)
-    return wrapped
-
-
-def attach_streamed(modules: list[StreamedExperts], device: torch.device | str) -> tuple[ExpertStream, int]:
+def attach_streamed(modules: list[StreamedPrefill], device: torch.device | str) -> tuple[ExpertStream, int]:
     """One stream for the model's streamed layers; (the stream, bytes page-locked)."""
     stream = ExpertStream(device)
     return stream, sum(m.attach(stream) for m in modules)

@@ -27,7 +27,6 @@ from convert.cli import main
 from cpu_experts.module import CpuExperts
 from hybrid import LLM
 from hybrid.engine_config import EngineConfig
-from hybrid.layers.moe import TorchExperts
 
 REL_TOL = 1e-4
 # The float formats round each expert matmul's input to bfloat16 (their contract), the act rows included: where
@@ -82,9 +81,9 @@ def test_placement_switch(qwen):
     kinds = {}
     for placement in ("auto", "cpu", "device"):
         llm = LLM(qwen, dtype="float32", expert_placement=placement)
-        kinds[placement] = {type(layer.mlp.experts) for layer in llm.model.model.layers[1:]}
+        kinds[placement] = {type(layer.mlp.experts.cpu_experts) for layer in llm.model.model.layers[1:]}
         llm.close()
-    assert kinds == {"auto": {TorchExperts}, "cpu": {CpuExperts}, "device": {TorchExperts}}
+    assert kinds == {"auto": {type(None)}, "cpu": {CpuExperts}, "device": {type(None)}}
 
 
 @pytest.mark.parametrize("field,value", [("expert_placement", "gpu"), ("expert_dtype", "int2")])
@@ -158,11 +157,11 @@ def test_int4_checkpoint_served_as_stored(kimi, tmp_path):
 def test_gpu_resident_experts_of_a_checkpoint(kimi):
     """gpu_experts=N with a plain checkpoint: the N experts per layer on the engine's device come from the
     checkpoint (dequantized), the CPU operator holds the layer as stored; the split sums to the whole."""
-    from hybrid.placement import HybridExperts
+    from hybrid.routed_experts import RoutedExperts
 
     options = dict(dtype="float32", expert_placement="cpu", expert_dtype="auto", expert_activations="float")
     split = LLM(kimi["src"], gpu_experts=3, **options)
-    hybrid = [m for m in split.model.modules() if isinstance(m, HybridExperts)]
+    hybrid = [m for m in split.model.modules() if isinstance(m, RoutedExperts)]
     assert len(hybrid) == 3 and all(m.gpu_expert_ids == (0, 1, 2) for m in hybrid)
     whole = LLM(kimi["src"], **options)
     for ids in PROMPTS:

@@ -272,15 +272,13 @@ def test_converted_model_overlaps_cpu_experts(tmp_path):
     assert main([str(tmp_path / "src"), str(tmp_path / "dst"), "--expert-dtype", "int8"]) == 0
     llm = LLM(tmp_path / "dst", device="cpu", dtype="float32")
     modules = [m for m in llm.model.modules() if isinstance(m, CpuExperts)]
-    assert llm.cpu_executor is not None and all(m.is_async for m in modules)
+    assert modules and llm.cpu_executor is not None and llm.cpu_handoff.executor is llm.cpu_executor
     ids = PROMPTS[4]
     overlapped = llm.prefill_logits(ids)
-    for module in modules:
-        module.bind(None)
+    llm.cpu_handoff.executor = None  # inline
     inline = llm.prefill_logits(ids)
     assert torch.equal(overlapped, inline)
-    for module in modules:
-        module.bind(llm.cpu_executor)
+    llm.cpu_handoff.executor = llm.cpu_executor
     want = llm.generate(PROMPTS[1], 5, ignore_eos=True)
     assert Engine(llm).generate([PROMPTS[1], PROMPTS[3]], max_tokens=5, ignore_eos=True)[0] == want
 
@@ -292,7 +290,8 @@ def test_gpu_resident_experts_split_the_layer(tmp_path):
     import torch
 
     from convert.cli import main
-    from hybrid.placement import HybridExperts, RoutingStats
+    from hybrid.placement import RoutingStats
+    from hybrid.routed_experts import RoutedExperts
 
     make_checkpoint(VARIANTS["deepseek_v3"](), tmp_path / "src", seed=SEEDS["deepseek_v3"])
     assert main([str(tmp_path / "src"), str(tmp_path / "dst"), "--expert-dtype", "int8"]) == 0
@@ -303,8 +302,8 @@ def test_gpu_resident_experts_split_the_layer(tmp_path):
     counts = {layer: [0, 5, 1, 9, 0, 0, 7, 2] for layer in range(1, 4)}  # layers 1-3 are MoE
     RoutingStats(counts).write(tmp_path / "routing.json")
     split = LLM(tmp_path / "dst", gpu_experts=3, routing_stats=str(tmp_path / "routing.json"), **args)
-    experts = [m for m in split.model.modules() if isinstance(m, HybridExperts)]
-    assert len(experts) == 3 and all(m.gpu_expert_ids == (1, 3, 6) and m.is_async for m in experts)
+    experts = [m for m in split.model.modules() if isinstance(m, RoutedExperts)]
+    assert len(experts) == 3 and all(m.gpu_expert_ids == (1, 3, 6) and m.has_cpu_part for m in experts)
     whole = LLM(tmp_path / "dst", **args)
     ids = PROMPTS[4]
     got, want = split.prefill_logits(ids), whole.prefill_logits(ids)
@@ -322,13 +321,13 @@ def test_gpu_resident_experts_through_the_fused_kernel(tmp_path):
     """On the kernel path in bf16 the GPU-resident experts run through gpu_layers.fused_moe (under the interpreter
     here): the split model stays as close to the unsplit one as bf16 allows."""
     from convert.cli import main
-    from hybrid.placement import HybridExperts
+    from hybrid.routed_experts import RoutedExperts
 
     make_checkpoint(VARIANTS["qwen3_moe"](), tmp_path / "src", seed=SEEDS["qwen3_moe"])
     assert main([str(tmp_path / "src"), str(tmp_path / "dst"), "--expert-dtype", "int8"]) == 0
     args = dict(device=str(DEVICE), dtype="bfloat16", expert_activations="float", kernels="triton")
     split = LLM(tmp_path / "dst", gpu_experts=4, **args)
-    experts = [m for m in split.model.modules() if isinstance(m, HybridExperts)]
+    experts = [m for m in split.model.modules() if isinstance(m, RoutedExperts) and m.has_cpu_part]
     assert experts and all(m.w_gate_up is not None for m in experts)  # fused: the kernel's layout
     whole = LLM(tmp_path / "dst", **args)
     got, want = split.prefill_logits(PROMPTS[3]), whole.prefill_logits(PROMPTS[3])
@@ -342,7 +341,6 @@ def test_expert_deferral_adds_the_lowest_experts_one_layer_later(tmp_path):
     import types
 
     from convert.cli import main
-    from cpu_experts.module import CpuExperts
     from hybrid.layers.moe import SparseMoE
 
     make_checkpoint(VARIANTS["deepseek_v3"](), tmp_path / "src", seed=SEEDS["deepseek_v3"])  # top-3, MoE 1-3
@@ -350,9 +348,7 @@ def test_expert_deferral_adds_the_lowest_experts_one_layer_later(tmp_path):
     args = dict(device="cpu", dtype="float32", expert_activations="float")
     deferred = LLM(tmp_path / "dst", defer_experts=1, **args)
     reference = LLM(tmp_path / "dst", **args)
-    for module in reference.model.modules():
-        if isinstance(module, CpuExperts):
-            module.bind(None)  # inline: no executor, no ExpertDeferral
+    reference.cpu_handoff.executor = None  # inline
     carry = {}
     moe_blocks = [m for m in reference.model.modules() if isinstance(m, SparseMoE)]
 

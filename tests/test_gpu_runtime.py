@@ -15,7 +15,7 @@ from gpu_support import DEVICE
 
 from hybrid import LLM
 from hybrid.layers.backends import TritonAttentionBackend
-from hybrid.layers.moe import TritonExperts
+from hybrid.routed_experts import RoutedExperts
 
 transformers.logging.set_verbosity_error()
 REL_TOL = 1e-4  # float32 end to end (the attention kernels' float32 dots are exact, not tf32)
@@ -74,7 +74,7 @@ def test_bf16_kernels_are_as_close_as_the_pytorch_path(tmp_path, name):
     def error(kernels: str) -> float:
         llm = LLM(tmp_path, device=str(DEVICE), dtype="bfloat16", kernels=kernels, expert_placement="device")
         experts = llm.model.model.layers[1].mlp.experts
-        assert isinstance(experts, TritonExperts) == (kernels == "triton")
+        assert isinstance(experts, RoutedExperts) and experts.is_fused == (kernels == "triton")
         logits = llm.prefill_logits(ids)
         return float((logits - ref).norm() / ref.norm())
 

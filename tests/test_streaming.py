@@ -18,7 +18,7 @@ from cpu_experts.packed import PackedLayer
 from gpu_layers.dequant import dequantize_int4, dequantize_int4_reference, dequantize_int8, dequantize_int8_reference
 from hybrid import LLM
 from hybrid.engine_config import EngineConfig
-from hybrid.streaming import ExpertStream, StreamedExperts, layer_units, min_streamed_tokens
+from hybrid.streaming import ExpertStream, StreamedPrefill, layer_units, min_streamed_tokens
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +78,7 @@ def routed(num_tokens: int, num_experts: int = 7, seed: int = 0):
     return hidden, ids, torch.rand(num_tokens, 2, generator=g)
 
 
-def on_device(streamed: StreamedExperts, hidden, ids, weights) -> torch.Tensor:
+def on_device(streamed: StreamedPrefill, hidden, ids, weights) -> torch.Tensor:
     got = streamed.compute_on_gpu(hidden.to(DEVICE, torch.bfloat16), ids.to(DEVICE), weights.to(DEVICE))
     assert got.dtype == torch.bfloat16
     return got.float().cpu()
@@ -93,7 +93,7 @@ def close(got: torch.Tensor, want: torch.Tensor) -> bool:
 def test_streamed_layer_matches_the_cpu_operator(dtype, group_size):
     module = int4_layer(0, group_size) if dtype == "int4" else cpu_layer(0, dtype, group_size)
     hidden, ids, weights = routed(19)
-    streamed = StreamedExperts(module, min_tokens=1, device=DEVICE)
+    streamed = StreamedPrefill(module, min_tokens=1, device=DEVICE)
     stream = ExpertStream(DEVICE)
     part = module.op.layer.partitions[0]  # the larger partition (I 96 = 64 + 32)
     # stored bytes an expert, or half its bf16 tables where they are larger (int4's)
@@ -112,7 +112,7 @@ def test_a_ring_of_two_slots_serves_every_layer_every_step():
     a slot still holds a unit from the step before (reused, not re-copied) or another layer's."""
     modules = [cpu_layer(seed, "int8", 0) for seed in range(3)]
     stream = ExpertStream(DEVICE)
-    streamed = [StreamedExperts(m, min_tokens=1, device=DEVICE) for m in modules]
+    streamed = [StreamedPrefill(m, min_tokens=1, device=DEVICE) for m in modules]
     for s in streamed:
         s.attach(stream, chunk_bytes=4 * s.cpu_experts.op.layer.expert_bytes(), pin=False)  # 2 units a layer
     assert len(stream.units) == 3 * 3  # a layer: partition 0 in two units, 1 in one; an odd count shifts the slots
@@ -185,11 +185,11 @@ def test_dequantize_int4_refuses_mismatched_inputs():
 
 def test_small_steps_go_to_the_cpu_experts():
     module = cpu_layer(0, "int8", 0)
-    streamed = StreamedExperts(module, min_tokens=16, device=DEVICE)
+    streamed = StreamedPrefill(module, min_tokens=16, device=DEVICE)
     streamed.attach(ExpertStream(DEVICE), pin=False)
     hidden, ids, weights = routed(8)
-    assert not streamed._uses_gpu(hidden.to(DEVICE))
-    assert streamed._uses_gpu(torch.cat([hidden] * 2).to(DEVICE))
+    assert not streamed.takes(hidden.to(DEVICE))
+    assert streamed.takes(torch.cat([hidden] * 2).to(DEVICE))
 
 
 def test_the_auto_threshold_gives_each_expert_16_tokens_on_cuda_only():
@@ -205,7 +205,7 @@ def test_converted_int4_experts_are_streamable(source, tmp_path):
     llm = LLM(converted(source, tmp_path, "--expert-dtype", "int4", "--group-size", "32"), device="cpu",
               dtype="float32")
     module = next(m for m in llm.model.modules() if isinstance(m, CpuExperts))
-    assert StreamedExperts(module, min_tokens=1, device="cpu").is_streamable
+    assert StreamedPrefill(module, min_tokens=1, device="cpu").is_streamable
 
 
 @pytest.fixture(scope="module")

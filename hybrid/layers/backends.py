@@ -6,9 +6,9 @@
 - The dense operations (norms, rotary, activation, routers) are one `DenseOps` table (`hybrid.layers.ops`).
 - `keep_quantized`: with the Triton ops in bf16/fp16, dense Linear weights stored quantized (FP8, W4A16) stay so
   and run through `gpu_layers.linear` (the loader places `hybrid.layers.quantized_linear.QuantizedLinear`s).
-- An experts factory builds the routed-experts module of each MoE layer: anything with
-  `forward(hidden [T, H], topk_ids [T, K], topk_weights [T, K]) -> [T, H]`. Which experts run where
-  (GPU-resident or CPU) is decided by the factory from placement data, not inside the layers.
+- An experts factory builds the routed-experts module of each MoE layer (`hybrid.routed_experts.RoutedExperts`:
+  `submit(hidden [T, H], topk_ids [T, K], topk_weights [T, K])`, `collect(like) -> [T, H]`). Which experts run
+  where (GPU-resident or CPU) is decided by the factory from placement data, once, not inside the layers.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from torch import nn
 from gpu_layers import reference
 from hybrid.config import AttentionConfig, ModelConfig
 from hybrid.forward_batch import ForwardBatch
-from hybrid.layers.moe import TorchExperts, TritonExperts
 from hybrid.layers.ops import TORCH_OPS, DenseOps, dense_ops_for
+from hybrid.routed_experts import device_experts_factory
 
 
 class TorchAttentionBackend:
@@ -122,13 +122,13 @@ ExpertsFactory = Callable[[int, ModelConfig], nn.Module]  # (layer_idx, config) 
 
 
 def default_experts_factory(layer_idx: int, config: ModelConfig) -> nn.Module:
-    moe = config.moe
-    return TorchExperts(moe.num_experts, config.hidden_size, moe.intermediate_size, moe.expert_proj_names)
+    """Every routed expert on the engine's device, through the PyTorch reference."""
+    return device_experts_factory(layer_idx, config, is_fused=False)
 
 
 def triton_experts_factory(layer_idx: int, config: ModelConfig) -> nn.Module:
-    moe = config.moe
-    return TritonExperts(moe.num_experts, config.hidden_size, moe.intermediate_size, moe.expert_proj_names)
+    """Every routed expert on the engine's device, through the fused-MoE kernel."""
+    return device_experts_factory(layer_idx, config, is_fused=True)
 
 
 def uses_gemm_kernels(device: torch.device | str, kernels: str, dtype: torch.dtype) -> bool:

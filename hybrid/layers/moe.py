@@ -1,4 +1,5 @@
-"""Sparse MoE block: router -> routed experts (through the experts backend) + optional shared expert."""
+"""Sparse MoE block: router -> routed experts (one module per layer, `hybrid.routed_experts`, through its
+submit/collect protocol) + optional shared expert."""
 
 from __future__ import annotations
 
@@ -144,13 +145,15 @@ class ExpertDeferral:
             return None
         experts, x = self._pending
         self._pending = None
-        return experts.sync(like=x)
+        return experts.collect(like=x)
 
 
 class SparseMoE(_HoldsCorrectionBias):
     """`shared_name` follows the checkpoint: `shared_experts` (DeepSeek, GLM) or `shared_expert` (Qwen2-MoE,
-    which also has a sigmoid `shared_expert_gate`). `deferral`: expert deferral across MoE layers (CPU experts
-    only), `is_deferring`: whether this layer hands some of its experts to the next one."""
+    which also has a sigmoid `shared_expert_gate`). `experts`: the layer's routed experts, anything with
+    `submit(hidden, topk_ids, topk_weights)` and `collect(like)` (`hybrid.routed_experts.RoutedExperts`).
+    `deferral`: expert deferral across MoE layers (CPU experts only), `is_deferring`: whether this layer hands some
+    of its experts to the next one."""
 
     def __init__(self, hidden_size: int, moe: MoEConfig, experts: nn.Module, shared_name: str = "shared_experts",
                  ops: DenseOps = TORCH_OPS, deferral: ExpertDeferral | None = None, is_deferring: bool = False):
@@ -166,17 +169,14 @@ class SparseMoE(_HoldsCorrectionBias):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.gate(x, self.e_score_correction_bias)
-        if not getattr(self.experts, "is_async", False):
-            out, shared = self.experts(x, topk_ids, topk_weights), self._shared(x)
-            return out if shared is None else out + shared
-        # CPU experts on their executor: the shared expert (and GPU-resident experts) overlap them
         carried = self.deferral.collect() if self.deferral is not None else None
         deferred_ids = None
         if self.is_deferring:
             topk_ids, deferred_ids = ExpertDeferral.split(topk_ids, topk_weights, self.deferral.num_deferred)
+        # the routed experts' submit/collect protocol (`hybrid.routed_experts`): the shared expert runs between
         self.experts.submit(x, topk_ids, topk_weights)
         shared = self._shared(x)
-        out = self.experts.sync(like=x)
+        out = self.experts.collect(like=x)
         if deferred_ids is not None:  # runs on the CPU while the next layer's attention runs on the GPU
             self.experts.submit(x, deferred_ids, topk_weights)
             self.deferral.hold(self.experts, x)

@@ -94,8 +94,11 @@ class MoECausalLM(nn.Module):
         if not cfg.moe_layers[layer_idx]:
             return GatedMLP(cfg.hidden_size, cfg.intermediate_size, backends.ops)
         experts = backends.make_experts(layer_idx, cfg)
+        # deferral hands CPU experts to the next layer's time on the GPU; a layer without a CPU part keeps its own
+        is_deferring = (self.deferral is not None and layer_idx != self._last_moe_layer
+                        and getattr(experts, "has_cpu_part", False))
         return SparseMoE(cfg.hidden_size, cfg.moe, experts, self.shared_expert_name, backends.ops, self.deferral,
-                         is_deferring=self.deferral is not None and layer_idx != self._last_moe_layer)
+                         is_deferring=is_deferring)
 
     # --- checkpoint contract (used by hybrid.loader) ---
 

@@ -1,0 +1,128 @@
+"""One routed-experts module per MoE layer, one protocol: `submit(hidden [T, H], topk_ids [T, K], topk_weights
+[T, K])`, then `collect(like) -> [T, H]` (`forward` is the two in a row). The MoE block overlaps its own work (the
+shared expert) between them.
+
+Where each expert runs is placement, decided once at start-up and held as data: `gpu_expert_ids` (the layer's
+GPU-resident experts, `hybrid.placement.ExpertPlacement`; every expert for a model whose experts all live on the
+engine's device) and the CPU operator (`cpu_experts`, all the others, split into NUMA partitions at load). The
+module's own stacked parameters hold the GPU-resident experts, named by their global ids so the loader fills them
+from the checkpoint or the expert files. Per step: ids -> local GPU slots (or -1) and CPU ids (or -1); the CPU part
+is submitted first, through the model's one `CpuHandoff` in the step mode the runner set, or, for an eager step of
+at least `gpu_prefill_tokens` tokens, computed on the GPU from streamed weights (`hybrid.streaming`); then the GPU
+part is computed while the CPU works; the two outputs add up.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cpu_experts.module import CpuExperts
+from hybrid.cpu_handoff import CpuHandoff, StepMode
+from hybrid.layers.moe import TritonExperts
+from hybrid.placement import ExpertPlacement
+from hybrid.streaming import StreamedPrefill
+
+
+class RoutedExperts(TritonExperts):
+    """`is_fused`: the GPU-resident experts run through the fused-MoE kernel (gate and up stacked after loading,
+    `TritonExperts`), else through the PyTorch reference. `cpu_experts` None: every expert is GPU-resident."""
+
+    def __init__(self, layer_idx: int, config, gpu_expert_ids: tuple[int, ...], cpu: CpuExperts | None = None,
+                 handoff: CpuHandoff | None = None, is_fused: bool = False, streamed: StreamedPrefill | None = None):
+        moe = config.moe
+        super().__init__(len(gpu_expert_ids), config.hidden_size, moe.intermediate_size, moe.expert_proj_names)
+        if cpu is None and len(gpu_expert_ids) != moe.num_experts:
+            raise ValueError(f"layer {layer_idx}: {len(gpu_expert_ids)} of {moe.num_experts} experts on the GPU "
+                             "and no CPU operator for the rest")
+        if cpu is not None and handoff is None:
+            raise ValueError(f"layer {layer_idx}: CPU experts need the model's CpuHandoff")
+        self.layer_idx = layer_idx
+        self.num_experts = moe.num_experts
+        self.gpu_expert_ids = gpu_expert_ids
+        self.is_fused = is_fused
+        self.cpu_experts = cpu
+        self.handoff = handoff
+        self.streamed = streamed
+        self.register_buffer("local_slot", self._slots(), persistent=False)  # global id -> GPU slot, or -1
+        self._pending: tuple[bool, torch.Tensor | None, torch.Tensor | None] | None = None
+
+    @property
+    def has_cpu_part(self) -> bool:
+        return self.cpu_experts is not None
+
+    def _slots(self) -> torch.Tensor:
+        slots = torch.full((self.num_experts,), -1, dtype=torch.int64, device="cpu")
+        slots[list(self.gpu_expert_ids)] = torch.arange(len(self.gpu_expert_ids))
+        return slots
+
+    def reset_buffers(self) -> None:
+        """Rebuilt after the model was built on the meta device (like the rotary frequencies)."""
+        self.local_slot = self._slots().to(self.local_slot.device)
+
+    def checkpoint_targets(self):
+        """Slot s holds expert gpu_expert_ids[s]: named by its global id, as checkpoints and expert files name it."""
+        for name in self.proj_names:
+            stacked = getattr(self, name)
+            for slot, expert in enumerate(self.gpu_expert_ids):
+                yield f"{expert}.{name}.weight", stacked.data[slot]
+
+    def fuse_gate_up(self) -> None:
+        if self.is_fused and self.gpu_expert_ids:
+            super().fuse_gate_up()
+
+    def _split(self, topk_ids: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """topk_ids [T, K] -> (GPU slots or -1, CPU ids or -1), each None where that side has no experts."""
+        if not self.has_cpu_part:
+            return topk_ids, None
+        if not self.gpu_expert_ids:
+            return None, topk_ids
+        ids = topk_ids.long()
+        local = torch.where(ids >= 0, self.local_slot[ids.clamp_min(0)], -1)
+        return local, torch.where(local >= 0, -1, ids)
+
+    def submit(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+        if self._pending is not None:
+            raise RuntimeError(f"layer {self.layer_idx}: submit() while a submit is pending: collect() first")
+        local, cpu_ids = self._split(topk_ids)
+        cpu_out = None
+        if cpu_ids is not None:
+            streamed = self.streamed
+            if streamed is not None and self.handoff.mode is StepMode.EAGER and streamed.takes(hidden):
+                cpu_out = streamed.compute_on_gpu(hidden, cpu_ids, topk_weights)
+            else:
+                self.handoff.submit(self.cpu_experts, hidden, cpu_ids, topk_weights)
+        gpu_out = super().forward(hidden, local, topk_weights) if local is not None else None  # while the CPU works
+        self._pending = (cpu_ids is not None, cpu_out, gpu_out)
+
+    def collect(self, like: torch.Tensor) -> torch.Tensor:
+        """The submitted step's output [T, H] in `like`'s dtype, on its device."""
+        if self._pending is None:
+            raise RuntimeError(f"layer {self.layer_idx}: collect() without a pending submit()")
+        (has_cpu, cpu_out, gpu_out), self._pending = self._pending, None
+        if has_cpu and cpu_out is None:
+            cpu_out = self.handoff.collect(like)
+        if cpu_out is None:
+            return gpu_out
+        return cpu_out if gpu_out is None else cpu_out + gpu_out
+
+    def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        self.submit(hidden, topk_ids, topk_weights)
+        return self.collect(hidden)
+
+
+def device_experts_factory(layer_idx: int, config, is_fused: bool = False) -> RoutedExperts:
+    """Every routed expert on the engine's device (the model's own weights)."""
+    return RoutedExperts(layer_idx, config, tuple(range(config.moe.num_experts)), is_fused=is_fused)
+
+
+def cpu_experts_factory(layer_idx: int, config, handoff: CpuHandoff, placement: ExpertPlacement | None = None,
+                        int8_activations: bool = True, is_fused: bool = False, min_streamed_tokens: int = 0,
+                        device: torch.device | str = "cpu") -> RoutedExperts:
+    """The CPU operator for the layer's experts, less those `placement` keeps on the GPU; `min_streamed_tokens` > 0:
+    eager steps of that many tokens stream the CPU experts' weights to `device` instead (`hybrid.streaming`)."""
+    gpu_ids = placement.gpu_experts.get(layer_idx, ()) if placement is not None else ()
+    if len(gpu_ids) == config.moe.num_experts:  # the whole layer fits: no CPU part to hand anything to
+        return device_experts_factory(layer_idx, config, is_fused)
+    cpu = CpuExperts(layer_idx, int8_activations=int8_activations)
+    streamed = StreamedPrefill(cpu, min_streamed_tokens, device) if min_streamed_tokens else None
+    return RoutedExperts(layer_idx, config, gpu_ids, cpu, handoff, is_fused, streamed)
