@@ -115,9 +115,8 @@ def test_the_step_mode_decides_the_cpu_path():
     module.streamed = AlwaysStreams()
     hidden, ids, w = routed()
     assert torch.equal(module(hidden, ids, w), torch.full_like(hidden, 3.0))  # eager: streamed
-    with pytest.raises(RuntimeError, match="graph hand-off"):
-        with handoff.step_mode(StepMode.GRAPH):
-            pass
+    with pytest.raises(RuntimeError, match="graph hand-off"), handoff.step_mode(StepMode.GRAPH):
+        pass
     handoff.graph = RecordingGraph()
     with handoff.step_mode(StepMode.GRAPH):
         assert torch.equal(module(hidden, ids, w), torch.full_like(hidden, 7.0))
