@@ -44,6 +44,16 @@ def float32_bits(typingctx, value):
     return types.int32(types.float32), codegen
 
 
+@intrinsic
+def plain_add(typingctx, a, b):
+    """a + b (float32) without fast-math flags: never fused with the product that feeds it into an FMA, which
+    LLVM may or may not do depending on how a helper was inlined, so every kernel that adds a bias rounds the
+    same way (the decode pool equals the operator bit for bit)."""
+    def codegen(context, builder, sig, args):
+        return builder.fadd(args[0], args[1])
+    return types.float32(types.float32, types.float32), codegen
+
+
 @njit(fastmath=True, nogil=True, cache=True, error_model="numpy")
 def round_bf16(value):
     """float32 -> the nearest bfloat16 (ties to even, as torch rounds), as a float32; NaN stays NaN. The float
@@ -114,8 +124,8 @@ def activation(g, v, epilogue, e, i, is_fast):
             return silu_mul(g, v)
         return g / (np.float32(1.0) + np.exp(-g)) * v
     kind, alpha, limit, gate_bias, up_bias = epilogue
-    g = g + gate_bias[e, i]
-    v = v + up_bias[e, i]
+    g = plain_add(np.float32(g), gate_bias[e, i])
+    v = plain_add(np.float32(v), up_bias[e, i])
     if kind == ACT_SWIGLU_OAI:
         g = min(g, limit)
         v = min(max(v, -limit), limit)
@@ -133,7 +143,7 @@ def add_down_bias(lo, hi, experts, offsets, pair_token, pair_weight, down_bias, 
         for p in range(offsets[u], offsets[u + 1]):
             t, weight = pair_token[p], pair_weight[p]
             for h in range(lo, hi):
-                out[t, h] += weight * down_bias[e, h]
+                out[t, h] = plain_add(out[t, h], weight * down_bias[e, h])
 
 
 @njit(**FLAGS)

@@ -104,8 +104,12 @@ def test_steps_equal_the_operator(group, partitions, num_threads, dtype):
         executor.close()
 
 
-@pytest.mark.parametrize("group,partitions,dtype", [
-    (0, 3, "int8"), (32, 3, "int4"), (32, 1, "fp8"), (32, 3, "mxfp4"), (16, 3, "nvfp4")])
+def test_gpt_oss_w8a8_layers_are_not_served():
+    assert not any(supports(op) for op in make_ops(0, 1, layers=(0,), is_gpt_oss=True).values())
+    assert not any(supports(op) for op in make_ops(32, 1, layers=(0,), dtype="int4", is_gpt_oss=True).values())
+
+
+@pytest.mark.parametrize("group,partitions,dtype", [(32, 1, "fp8"), (32, 3, "mxfp4"), (16, 3, "nvfp4")])
 def test_gpt_oss_steps_equal_the_operator(group, partitions, dtype):
     """gpt-oss's layers (clamped activation, gate/up/down biases) served by the pool equal the operator's bit for
     bit: the slot table's epilogue and the down bias over each thread's columns."""
