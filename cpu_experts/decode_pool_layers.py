@@ -4,6 +4,11 @@ activations, `kernels_fp8`, `kernels_fp4`), each on its kernels' own work-range 
 pool equals one served by the operator bit for bit. Every thread runs the same phases on its static share,
 separated by `decode_pool_sync._barrier`s; the slot table (one row per partition: array addresses, then
 dimensions) is built by `decode_pool._layer_tables`.
+
+Activation: a pool whose layers are all silu without biases runs with `mode` None, the kernels' plain
+specialization; otherwise (gpt-oss) `mode` is an int and each slot's epilogue (`kernels.activation`) is built from
+its table row (ACT_KIND, ALPHA, LIMIT, the bias addresses; zeros where a layer has no bias), and each thread adds the
+down bias over its own output columns after the layer's partitions, as `CpuMoE` does.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from numba import carray, njit
 
 from cpu_experts.atomics import float32_pointer, pointer_like, uint8_pointer
 from cpu_experts.decode_pool_sync import _barrier, _share
-from cpu_experts.kernels import round_bf16
+from cpu_experts.kernels import _as_float32, add_down_bias, round_bf16
 from cpu_experts.kernels_fp4 import (
     down_rows_mxfp4,
     down_rows_nvfp4,
@@ -26,12 +31,38 @@ from cpu_experts.kernels_vnni_int4 import down_rows_int4, gate_up_rows_int4, num
 
 # Columns of the slot table (one row per partition of a layer): the arrays' addresses, then their dimensions
 # (GATE_COLS, DOWN_COLS: the stored rows' lengths, halved for int4).
-# (GATE_TS, UP_TS, DOWN_TS: NVFP4's tensor scales [E], 0 for other formats).
+# (GATE_TS, UP_TS, DOWN_TS: NVFP4's tensor scales [E], 0 for other formats; ACT_KIND, ALPHA, LIMIT (float32 bits),
+# GATE_B, UP_B [E, Ip] and DOWN_B [E, H]: the activation, `kernels.epilogues`).
 (GATE, GATE_S, UP, UP_S, DOWN, DOWN_S, NUM_EXPERTS, ROWS, HIDDEN, GROUPS_H, GROUPS_I, GROUP_H, GROUP_I, GATE_COLS,
- DOWN_COLS, GATE_TS, UP_TS, DOWN_TS) = range(18)
+ DOWN_COLS, GATE_TS, UP_TS, DOWN_TS, ACT_KIND, ALPHA, LIMIT, GATE_B, UP_B, DOWN_B) = range(24)
 # The pool's weight format, one for all its layers (`kind_of`); its layer code is compiled per format.
 INT8, INT4, INT4_BF16, FP8, MXFP4, NVFP4 = range(6)
 FLOAT_KINDS = {"fp8": FP8, "mxfp4": MXFP4, "nvfp4": NVFP4}
+
+
+# ---- the activation -----------------------------------------------------------------------------------------------
+
+@njit(nogil=True, cache=True)
+def slot_epilogue(slots, s, mode):
+    """Slot s's `kernels.activation` epilogue: None in a plain pool (`mode` None), else from its table row."""
+    if mode is None:
+        return None
+    shape = (slots[s, NUM_EXPERTS], slots[s, ROWS])
+    return (slots[s, ACT_KIND], _as_float32(np.int32(slots[s, ALPHA])), _as_float32(np.int32(slots[s, LIMIT])),
+            carray(float32_pointer(slots[s, GATE_B]), shape), carray(float32_pointer(slots[s, UP_B]), shape))
+
+
+@njit(nogil=True, cache=True, fastmath=True)
+def down_bias(tid, num_threads, slots, first, routing, mode, out):
+    """This thread's output columns (the down rows' share) += each pair's weighted down bias; nothing in a plain
+    pool."""
+    if mode is None:
+        return
+    experts, offsets, pair_token, pair_weight = routing
+    hidden = slots[first, HIDDEN]
+    bias = carray(float32_pointer(slots[first, DOWN_B]), (slots[first, NUM_EXPERTS], hidden))
+    lo, hi = _share(hidden, tid, num_threads)
+    add_down_bias(lo, hi, experts, offsets, pair_token, pair_weight, bias, out)
 
 
 # ---- int4 -------------------------------------------------------------------------------------------------------
@@ -66,14 +97,14 @@ def _quantize_rows_int4(tid, num_threads, src, num_rows, num_cols, group, q_even
 
 @njit(nogil=True, cache=True, fastmath=True)
 def _partition_int4(tid, num_threads, ctl, slots, s, routing, num_tokens, gate, gate_s, up, up_s, down, down_s, x4,
-                    act, a4, out):
+                    act, a4, out, mode):
     """One partition of an int4 layer: gate/up items, act to int8, down columns (`kernels_vnni_int4`'s bodies)."""
     experts, offsets, pair_token, pair_weight = routing
     x_even, x_odd, x_corr, x_scale = x4
     a_even, a_odd, a_corr, a_scale = a4
     lo, hi = _share(experts.shape[0] * gate.shape[1], tid, num_threads)
     gate_up_rows_int4(lo, hi, experts, offsets, pair_token, gate, gate_s, up, up_s, x_even, x_odd, x_corr, x_scale,
-                      slots[s, GROUP_H], act)
+                      slots[s, GROUP_H], slot_epilogue(slots, s, mode), act)
     _barrier(ctl, num_threads)
     _quantize_rows_int4(tid, num_threads, act, pair_token.shape[0], slots[s, ROWS], slots[s, GROUP_I], a_even, a_odd,
                         a_scale, a_corr)
@@ -84,7 +115,8 @@ def _partition_int4(tid, num_threads, ctl, slots, s, routing, num_tokens, gate, 
 
 
 @njit(nogil=True, cache=True, fastmath=True)
-def layer_int4(tid, num_threads, ctl, kind, first, count, slots, routing, num_tokens, hidden, out, x4, act, a4):
+def layer_int4(tid, num_threads, ctl, kind, first, count, slots, routing, num_tokens, hidden, out, x4, act, a4,
+               mode):
     """This thread's share of one int4 MoE layer (after routing): the rows to int8, then partition by partition."""
     x_even, x_odd, x_corr, x_scale = x4
     _quantize_rows_int4(tid, num_threads, hidden, num_tokens, hidden.shape[1], slots[first, GROUP_H], x_even, x_odd,
@@ -95,10 +127,11 @@ def layer_int4(tid, num_threads, ctl, kind, first, count, slots, routing, num_to
     for s in range(first, first + count):
         if kind == INT4_BF16:
             arrays = _packed_arrays(slots, s, np.empty(0, np.uint16))
-            _partition_int4(tid, num_threads, ctl, slots, s, routing, num_tokens, *arrays, x4, act, a4, out)
+            _partition_int4(tid, num_threads, ctl, slots, s, routing, num_tokens, *arrays, x4, act, a4, out, mode)
         else:
             arrays = _packed_arrays(slots, s, np.empty(0, np.float32))
-            _partition_int4(tid, num_threads, ctl, slots, s, routing, num_tokens, *arrays, x4, act, a4, out)
+            _partition_int4(tid, num_threads, ctl, slots, s, routing, num_tokens, *arrays, x4, act, a4, out, mode)
+    down_bias(tid, num_threads, slots, first, routing, mode, out)
 
 
 # ---- float formats ----------------------------------------------------------------------------------------------
@@ -124,16 +157,17 @@ def _round_rows(tid, num_threads, src, num_rows, kind, x_f, x_even, x_odd):
 
 
 @njit(nogil=True, cache=True, fastmath=True)
-def _partition_float(tid, num_threads, ctl, kind, slots, s, routing, out, xf4):
+def _partition_float(tid, num_threads, ctl, kind, slots, s, routing, out, xf4, mode):
     """One partition of a float-format layer: gate/up ranges (act rounded to bf16 by them), then down columns."""
     experts, offsets, pair_token, pair_weight = routing
     x_f, x_even, x_odd, act, act_even, act_odd = xf4
     items = _share(experts.shape[0] * slots[s, ROWS], tid, num_threads)
     columns = _share(slots[s, HIDDEN], tid, num_threads)
+    epilogue = slot_epilogue(slots, s, mode)
     if kind == FP8:
         gate, gate_s, up, up_s, down, down_s = _packed_arrays(slots, s, np.empty(0, np.float32))
         gate_up_rows_fp8(items[0], items[1], experts, offsets, pair_token, gate, gate_s, up, up_s, x_f,
-                         slots[s, GROUP_H], act)
+                         slots[s, GROUP_H], epilogue, act)
         _barrier(ctl, num_threads)
         down_rows_fp8(columns[0], columns[1], experts, offsets, pair_token, pair_weight, down, down_s, act,
                       slots[s, GROUP_I], out)
@@ -141,21 +175,21 @@ def _partition_float(tid, num_threads, ctl, kind, slots, s, routing, out, xf4):
     gate, gate_s, up, up_s, down, down_s = _packed_arrays(slots, s, np.empty(0, np.uint8))
     if kind == MXFP4:
         gate_up_rows_mxfp4(items[0], items[1], experts, offsets, pair_token, gate, gate_s, up, up_s, x_even, x_odd,
-                           act_even, act_odd)
+                           epilogue, act_even, act_odd)
         _barrier(ctl, num_threads)
         down_rows_mxfp4(columns[0], columns[1], experts, offsets, pair_token, pair_weight, down, down_s, act_even,
                         act_odd, out)
         return
     gate_ts, up_ts, down_ts = _tensor_scales(slots, s)
     gate_up_rows_nvfp4(items[0], items[1], experts, offsets, pair_token, gate, gate_s, gate_ts, up, up_s, up_ts,
-                       x_even, x_odd, act_even, act_odd)
+                       x_even, x_odd, epilogue, act_even, act_odd)
     _barrier(ctl, num_threads)
     down_rows_nvfp4(columns[0], columns[1], experts, offsets, pair_token, pair_weight, down, down_s, down_ts,
                     act_even, act_odd, out)
 
 
 @njit(nogil=True, cache=True, fastmath=True)
-def layer_float(tid, num_threads, ctl, kind, first, count, slots, routing, num_tokens, hidden, out, xf4):
+def layer_float(tid, num_threads, ctl, kind, first, count, slots, routing, num_tokens, hidden, out, xf4, mode):
     """This thread's share of one float-format MoE layer (after routing): the rows to bf16, then partition by
     partition; a barrier between partitions, since down reads the act rows the next partition's gate/up writes."""
     x_f, x_even, x_odd = xf4[0], xf4[1], xf4[2]
@@ -166,7 +200,8 @@ def layer_float(tid, num_threads, ctl, kind, first, count, slots, routing, num_t
     for s in range(first, first + count):
         if s > first:
             _barrier(ctl, num_threads)
-        _partition_float(tid, num_threads, ctl, kind, slots, s, routing, out, xf4)
+        _partition_float(tid, num_threads, ctl, kind, slots, s, routing, out, xf4, mode)
+    down_bias(tid, num_threads, slots, first, routing, mode, out)
 
 
 # ---- scratch ------------------------------------------------------------------------------------------------------

@@ -12,6 +12,9 @@ Tensors (E experts, H hidden, I intermediate, G = ceil(K / group_size) scale gro
 `weight` is int8 (int8), packed uint8 with K/2 columns (int4, mxfp4, nvfp4: see `cpu_experts.formats`), uint8
 e4m3 bits (fp8) or bfloat16 (bf16). NVFP4 adds `{role}.tensor_scale` [E] float32 (one per expert's projection);
 MXFP4 scales are E8M0 and NVFP4's e4m3, both as uint8 bits.
+A layer whose experts carry biases (`has_bias`: gpt-oss) adds gate.bias, up.bias [E, I] and down.bias [E, H], float32;
+the activation between the projections is the metadata's `activation` (`ExpertActivation`; absent: silu, the files
+written before it existed).
 Scales are float32, or bfloat16 for int4 experts copied from a checkpoint that stores them so (Kimi-K2's
 compressed-tensors INT4): kept as stored, since at group 32 float32 scales would add 11% to the bytes a decode
 step reads; the int4 kernels widen them (exactly) in registers.
@@ -39,6 +42,45 @@ FORMAT_NAME = "hybrid-experts"
 FORMAT_VERSION = "1"
 
 
+ACTIVATION_KINDS = ("silu", "swiglu_oai")
+
+
+@dataclass(frozen=True)
+class ExpertActivation:
+    """The function between an expert's gate/up and down projections (after the gate/up biases, if any):
+    silu: silu(gate) * up. swiglu_oai (gpt-oss): g = min(gate, limit), u = clamp(up, -limit, limit),
+    (u + 1) * g * sigmoid(alpha * g)."""
+    kind: str = "silu"
+    alpha: float = 1.0
+    limit: float = 0.0
+
+    def __post_init__(self):
+        if self.kind not in ACTIVATION_KINDS:
+            raise ValueError(f"expert activation '{self.kind}' is not one of {', '.join(ACTIVATION_KINDS)}")
+        if self.kind == "swiglu_oai" and not (self.alpha > 0 and self.limit > 0):
+            raise ValueError(f"swiglu_oai needs alpha > 0 and limit > 0, got {self.alpha}, {self.limit}")
+
+    @property
+    def is_silu(self) -> bool:
+        return self.kind == "silu"
+
+    def metadata(self) -> dict[str, str]:
+        if self.is_silu:
+            return {}
+        return {"activation": self.kind, "activation_alpha": repr(self.alpha), "activation_limit": repr(self.limit)}
+
+    @classmethod
+    def from_metadata(cls, metadata: dict[str, str]) -> ExpertActivation:
+        kind = metadata.get("activation", "silu")
+        if kind == "silu":
+            return SILU
+        return cls(kind, float(metadata["activation_alpha"]), float(metadata["activation_limit"]))
+
+
+SILU = ExpertActivation()
+SWIGLU_OAI = ExpertActivation("swiglu_oai", 1.702, 7.0)  # gpt-oss's constants (transformers' modeling_gpt_oss)
+
+
 @dataclass(frozen=True)
 class ExpertLayerSpec:
     num_experts: int
@@ -47,6 +89,13 @@ class ExpertLayerSpec:
     dtype: str  # one of EXPERT_DTYPES
     group_size: int  # scale group along K; 0 = one scale per output row (per channel)
     scale_dtype: str = "float32"  # one of ALLOWED_SCALES[dtype] (bfloat16 int4 scales: copied from a checkpoint)
+    activation: ExpertActivation = SILU
+    has_bias: bool = False  # gate.bias, up.bias [E, I] and down.bias [E, H] (float32)
+
+    @property
+    def is_plain(self) -> bool:
+        """silu without biases: the kernels' original epilogue, compiled without the bias loads."""
+        return self.activation.is_silu and not self.has_bias
 
     def __post_init__(self):
         if self.dtype not in EXPERT_DTYPES:
@@ -86,20 +135,25 @@ class ExpertLayerSpec:
                 shapes[f"{role}.scales"] = ((e, n, -(-k // self.group(k))), SCALE_DTYPES[self.scale_dtype])
             if self.dtype == "nvfp4":
                 shapes[f"{role}.tensor_scale"] = ((e,), torch.float32)
+        if self.has_bias:
+            for role in ROLES:
+                shapes[f"{role}.bias"] = ((e, self.matrix_shape(role)[0]), torch.float32)
         return shapes
 
     def metadata(self, layer: int) -> dict[str, str]:
         return {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "layer": str(layer),
                 "num_experts": str(self.num_experts), "hidden_size": str(self.hidden_size),
                 "intermediate_size": str(self.intermediate_size), "dtype": self.dtype,
-                "group_size": str(self.group_size), "scale_dtype": self.scale_dtype}
+                "group_size": str(self.group_size), "scale_dtype": self.scale_dtype,
+                **({"has_bias": "1"} if self.has_bias else {}), **self.activation.metadata()}
 
     @classmethod
     def from_metadata(cls, metadata: dict[str, str]) -> ExpertLayerSpec:
         if metadata.get("format") != FORMAT_NAME or metadata.get("format_version") != FORMAT_VERSION:
             raise ValueError(f"not a {FORMAT_NAME} v{FORMAT_VERSION} file (metadata {metadata})")
         return cls(int(metadata["num_experts"]), int(metadata["hidden_size"]), int(metadata["intermediate_size"]),
-                   metadata["dtype"], int(metadata["group_size"]), metadata.get("scale_dtype", "float32"))
+                   metadata["dtype"], int(metadata["group_size"]), metadata.get("scale_dtype", "float32"),
+                   ExpertActivation.from_metadata(metadata), metadata.get("has_bias") == "1")
 
 
 def quantize_matrix(w: torch.Tensor, spec: ExpertLayerSpec) -> dict[str, torch.Tensor]:

@@ -5,7 +5,8 @@ here, `offsets` [U + 1] delimit each expert's (token, slot) pairs in `pair_token
 expert's rows stream from memory once per call, whatever the number of its tokens (their activations stay in
 cache), and each weight row is dequantized in registers, never written back.
 
-1. `gate_up_*`: act[p, i] = silu(gate[e, i] . x[t]) * (up[e, i] . x[t]), parallel over (expert, row).
+1. `gate_up_*`: act[p, i] = silu(gate[e, i] . x[t]) * (up[e, i] . x[t]), parallel over (expert, row); a layer
+   with another activation or biases (gpt-oss) computes `activation` instead, its `epilogue` (see there).
 2. `down_*`: out[t, h] += w[p] * sum_i down[e, h, i] * act[p, i], parallel over h (no two threads write one
    output element).
 
@@ -27,11 +28,6 @@ from numba.extending import intrinsic, overload
 FLAGS = dict(parallel=True, fastmath=True, nogil=True, cache=True)
 
 
-@njit(fastmath=True, cache=True)
-def _silu(v):
-    return v / (np.float32(1.0) + np.exp(-v))
-
-
 @intrinsic
 def _as_float32(typingctx, bits):
     """The float32 whose bit pattern is the int32 `bits`."""
@@ -46,6 +42,16 @@ def float32_bits(typingctx, value):
     def codegen(context, builder, sig, args):
         return builder.bitcast(args[0], ir.IntType(32))
     return types.int32(types.float32), codegen
+
+
+@intrinsic
+def plain_add(typingctx, a, b):
+    """a + b (float32) without fast-math flags: never fused with the product that feeds it into an FMA, which
+    LLVM may or may not do depending on how a helper was inlined, so every kernel that adds a bias rounds the
+    same way (the decode pool equals the operator bit for bit)."""
+    def codegen(context, builder, sig, args):
+        return builder.fadd(args[0], args[1])
+    return types.float32(types.float32, types.float32), codegen
 
 
 @njit(fastmath=True, nogil=True, cache=True, error_model="numpy")
@@ -96,6 +102,82 @@ def fast_exp(x):
 def silu_mul(g, v):
     """silu(g) * v through `fast_exp` (the prefill epilogues)."""
     return g / (np.float32(1.0) + fast_exp(-g)) * v
+
+
+# ---- the expert activation, every kernel's ----------------------------------------------------------------------
+# A layer's `epilogue` is None for silu without biases: the kernels compile that specialization exactly as before
+# (the `is None` test is resolved at compile time, numba prunes the other branch), so silu layers keep their code.
+# Otherwise a tuple (kind, alpha, limit, gate_bias, up_bias): kind ACT_SILU / ACT_SWIGLU_OAI, float32 alpha and
+# limit, the partition's biases [E, Ip] float32 (zeros where the layer has none), built once per layer
+# (`epilogues`).
+
+ACT_SILU, ACT_SWIGLU_OAI = 0, 1
+ACT_KINDS = {"silu": ACT_SILU, "swiglu_oai": ACT_SWIGLU_OAI}
+
+
+@njit(fastmath=True, cache=True, error_model="numpy")
+def activation(g, v, epilogue, e, i, is_fast):
+    """act of expert e's row i from its gate and up dots g, v (float32): silu(g) * v, or the epilogue's. `is_fast`:
+    exp through `fast_exp` (the prefill epilogues and the int4 decode kernels), else numpy's."""
+    if epilogue is None:
+        if is_fast:
+            return silu_mul(g, v)
+        return g / (np.float32(1.0) + np.exp(-g)) * v
+    kind, alpha, limit, gate_bias, up_bias = epilogue
+    g = plain_add(np.float32(g), gate_bias[e, i])
+    v = plain_add(np.float32(v), up_bias[e, i])
+    if kind == ACT_SWIGLU_OAI:
+        g = min(g, limit)
+        v = min(max(v, -limit), limit)
+        z = -alpha * g
+        return (v + np.float32(1.0)) * (g / (np.float32(1.0) + (fast_exp(z) if is_fast else np.exp(z))))
+    return g / (np.float32(1.0) + (fast_exp(-g) if is_fast else np.exp(-g))) * v
+
+
+@njit(fastmath=True, cache=True, error_model="numpy")
+def add_down_bias(lo, hi, experts, offsets, pair_token, pair_weight, down_bias, out):
+    """out[t, h] += w * down_bias[e, h] for columns lo..hi, every routed expert e and its pairs (t, w): the down
+    projection's bias, weighted like its matmul, once per layer after the partitions' sums."""
+    for u in range(experts.shape[0]):
+        e = experts[u]
+        for p in range(offsets[u], offsets[u + 1]):
+            t, weight = pair_token[p], pair_weight[p]
+            for h in range(lo, hi):
+                out[t, h] = plain_add(out[t, h], weight * down_bias[e, h])
+
+
+@njit(**FLAGS)
+def add_down_bias_all(experts, offsets, pair_token, pair_weight, down_bias, out):
+    """`add_down_bias` over every column, in blocks of 64 (no two threads write one element)."""
+    hidden = out.shape[1]
+    for block in prange(-(-hidden // 64)):
+        add_down_bias(block * 64, min(hidden, block * 64 + 64), experts, offsets, pair_token, pair_weight, down_bias,
+                      out)
+
+
+@njit(**FLAGS)
+def activation_rows(gate, up, experts, offsets, epilogue, act):
+    """act[p, i] = activation(gate[p, i], up[p, i]) for the pairs of every routed expert (rows grouped by expert,
+    `operator.Routing`): the dequantize-and-multiply prefill's epilogue, for layers with an `epilogue`."""
+    for u in prange(experts.shape[0]):
+        e = experts[u]
+        for p in range(offsets[u], offsets[u + 1]):
+            for i in range(gate.shape[1]):
+                act[p, i] = activation(gate[p, i], up[p, i], epilogue, e, i, True)
+
+
+def epilogues(layer) -> list:
+    """Per partition of `layer` (a `PackedLayer`), the kernels' `epilogue` argument (see `activation`)."""
+    spec = layer.spec
+    if spec.is_plain:
+        return [None] * len(layer.partitions)
+    act = spec.activation
+    out = []
+    for part in layer.partitions:
+        zeros = None if spec.has_bias else np.zeros((spec.num_experts, part.size), dtype=np.float32)
+        out.append((np.int64(ACT_KINDS[act.kind]), np.float32(act.alpha), np.float32(act.limit),
+                    part.gate_bias if spec.has_bias else zeros, part.up_bias if spec.has_bias else zeros))
+    return out
 
 
 # The dot products are separate functions over whole 1-D arrays with a plain trip count: that is the form LLVM
@@ -192,7 +274,7 @@ def round_rows_int8(x):
 
 
 @njit(**FLAGS)
-def gate_up_int8(x, experts, offsets, pair_token, gate, gate_s, up, up_s, group, act):
+def gate_up_int8(x, experts, offsets, pair_token, gate, gate_s, up, up_s, group, epilogue, act):
     rows = gate.shape[1]
     for r in prange(experts.shape[0] * rows):
         u, i = r // rows, r % rows
@@ -201,11 +283,11 @@ def gate_up_int8(x, experts, offsets, pair_token, gate, gate_s, up, up_s, group,
             xt = x[pair_token[p]]
             g = _dot_int8(gate[e, i], gate_s[e, i], xt, group)
             v = _dot_int8(up[e, i], up_s[e, i], xt, group)
-            act[p, i] = _silu(g) * v
+            act[p, i] = activation(g, v, epilogue, e, i, False)
 
 
 @njit(**FLAGS)
-def gate_up_int4(x_even, x_odd, x_sum, experts, offsets, pair_token, gate, gate_s, up, up_s, group, act):
+def gate_up_int4(x_even, x_odd, x_sum, experts, offsets, pair_token, gate, gate_s, up, up_s, group, epilogue, act):
     rows = gate.shape[1]
     for r in prange(experts.shape[0] * rows):
         u, i = r // rows, r % rows
@@ -214,7 +296,7 @@ def gate_up_int4(x_even, x_odd, x_sum, experts, offsets, pair_token, gate, gate_
             t = pair_token[p]
             g = _dot_int4(gate[e, i], gate_s[e, i], x_even[t], x_odd[t], x_sum[t], group)
             v = _dot_int4(up[e, i], up_s[e, i], x_even[t], x_odd[t], x_sum[t], group)
-            act[p, i] = _silu(g) * v
+            act[p, i] = activation(g, v, epilogue, e, i, False)
 
 
 @njit(**FLAGS)

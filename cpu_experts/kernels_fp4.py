@@ -29,7 +29,7 @@ from numba import njit, prange
 from numba.extending import intrinsic
 
 from cpu_experts import formats
-from cpu_experts.kernels import round_bf16
+from cpu_experts.kernels import activation, round_bf16
 from cpu_experts.kernels_fp4_ir import E2M1_TWICE, FOUR_ROWS, ONE_ROW, TWO_ROWS, _fp4_codegen, _signature
 
 # error_model="numpy": no ZeroDivisionError paths for `//` and `%`, whose raising exits kept numba from pruning the
@@ -136,9 +136,9 @@ def split_bf16(x, x_even, x_odd):
 
 
 @njit(**BODY)
-def silu_mul_bf16(g, v):
-    """act = silu(g) * v, rounded to bf16 (the down projection's input)."""
-    return round_bf16(g / (np.float32(1.0) + np.exp(-g)) * v)
+def act_bf16(g, v, epilogue, e, i):
+    """act = silu(g) * v (or the epilogue's activation of expert e's row i), rounded to bf16 (down's input)."""
+    return round_bf16(activation(g, v, epilogue, e, i, False))
 
 
 @njit(**BODY)
@@ -157,8 +157,8 @@ def _store_act(act_even, act_odd, p, i, rows, value):
 # act_odd (odd i; zero past an odd partition's last column), [P, >= ceil(Ip / 2)].
 
 @njit(**BODY, inline="always")
-def gate_up_rows_mxfp4(lo, hi, experts, offsets, pair_token, gate, gate_s, up, up_s, x_even, x_odd, act_even,
-                       act_odd):
+def gate_up_rows_mxfp4(lo, hi, experts, offsets, pair_token, gate, gate_s, up, up_s, x_even, x_odd, epilogue,
+                       act_even, act_odd):
     """Work items lo..hi, item r = (routed expert u, row i) = divmod(r, I): act[p, i] = silu(gate . x_t) *
     (up . x_t), bf16, for u's pairs p. The intrinsics are called here directly (a numba-level helper per row cost
     its array copies' reference counts)."""
@@ -172,13 +172,13 @@ def gate_up_rows_mxfp4(lo, hi, experts, offsets, pair_token, gate, gate_s, up, u
         for i in range(first, last):
             for p in range(offsets[u], offsets[u + 1]):
                 g, v = dot2_mxfp4(gate, gate_s, up, up_s, e, i, MX_FACTORS, x_even, x_odd, pair_token[p])
-                _store_act(act_even, act_odd, p, i, rows, silu_mul_bf16(g, v))
+                _store_act(act_even, act_odd, p, i, rows, act_bf16(g, v, epilogue, e, i))
         r += last - first
 
 
 @njit(**BODY, inline="always")
 def gate_up_rows_nvfp4(lo, hi, experts, offsets, pair_token, gate, gate_s, gate_ts, up, up_s, up_ts, x_even, x_odd,
-                       act_even, act_odd):
+                       epilogue, act_even, act_odd):
     """`gate_up_rows_mxfp4` for NVFP4 (`gate_ts` / `up_ts` [E]: the tensor scales)."""
     rows = gate.shape[1]
     r = lo
@@ -190,7 +190,7 @@ def gate_up_rows_nvfp4(lo, hi, experts, offsets, pair_token, gate, gate_s, gate_
         for i in range(first, last):
             for p in range(offsets[u], offsets[u + 1]):
                 g, v = dot2_nvfp4(gate, gate_s, up, up_s, e, i, NV_FACTORS, x_even, x_odd, pair_token[p])
-                _store_act(act_even, act_odd, p, i, rows, silu_mul_bf16(g * gate_ts[e], v * up_ts[e]))
+                _store_act(act_even, act_odd, p, i, rows, act_bf16(g * gate_ts[e], v * up_ts[e], epilogue, e, i))
         r += last - first
 
 
@@ -237,7 +237,7 @@ def down_rows_nvfp4(lo, hi, experts, offsets, pair_token, pair_weight, down, dow
 # reference-count updates at every call that passes them, here every work item.
 
 @njit(**BODY)
-def decode_mxfp4(x, experts, offsets, pair_token, pair_weight, gate, gate_s, up, up_s, down, down_s, out):
+def decode_mxfp4(x, experts, offsets, pair_token, pair_weight, gate, gate_s, up, up_s, down, down_s, epilogue, out):
     """out[T, H] += this partition's MXFP4 experts on x float32 [T, H]."""
     x_even = np.empty((x.shape[0], gate.shape[2]), dtype=np.float32)  # gate rows: ceil(H / 2) bytes
     x_odd = np.empty_like(x_even)
@@ -245,16 +245,16 @@ def decode_mxfp4(x, experts, offsets, pair_token, pair_weight, gate, gate_s, up,
     act_even = np.empty((pair_token.shape[0], down.shape[2]), dtype=np.float32)  # down rows: ceil(Ip / 2) bytes
     act_odd = np.empty_like(act_even)
     _loops_mxfp4(experts, offsets, pair_token, pair_weight, gate, gate_s, up, up_s, down, down_s, x_even, x_odd,
-                 act_even, act_odd, out)
+                 epilogue, act_even, act_odd, out)
 
 
 @njit(**FLAGS)
 def _loops_mxfp4(experts, offsets, pair_token, pair_weight, gate, gate_s, up, up_s, down, down_s, x_even, x_odd,
-                 act_even, act_odd, out):
+                 epilogue, act_even, act_odd, out):
     num_items = experts.shape[0] * gate.shape[1]
     for c in prange(-(-num_items // GATE_UP_ROWS)):
         gate_up_rows_mxfp4(c * GATE_UP_ROWS, min(c * GATE_UP_ROWS + GATE_UP_ROWS, num_items), experts, offsets,
-                           pair_token, gate, gate_s, up, up_s, x_even, x_odd, act_even, act_odd)
+                           pair_token, gate, gate_s, up, up_s, x_even, x_odd, epilogue, act_even, act_odd)
     num_hidden = down.shape[1]
     for c in prange(-(-num_hidden // DOWN_ROWS)):
         down_rows_mxfp4(c * DOWN_ROWS, min(c * DOWN_ROWS + DOWN_ROWS, num_hidden), experts, offsets, pair_token,
@@ -263,7 +263,7 @@ def _loops_mxfp4(experts, offsets, pair_token, pair_weight, gate, gate_s, up, up
 
 @njit(**BODY)
 def decode_nvfp4(x, experts, offsets, pair_token, pair_weight, gate, gate_s, gate_ts, up, up_s, up_ts, down, down_s,
-                 down_ts, out):
+                 down_ts, epilogue, out):
     """`decode_mxfp4` for NVFP4 (`*_ts` [E]: each projection's tensor scale)."""
     x_even = np.empty((x.shape[0], gate.shape[2]), dtype=np.float32)
     x_odd = np.empty_like(x_even)
@@ -271,16 +271,17 @@ def decode_nvfp4(x, experts, offsets, pair_token, pair_weight, gate, gate_s, gat
     act_even = np.empty((pair_token.shape[0], down.shape[2]), dtype=np.float32)
     act_odd = np.empty_like(act_even)
     _loops_nvfp4(experts, offsets, pair_token, pair_weight, gate, gate_s, gate_ts, up, up_s, up_ts, down, down_s,
-                 down_ts, x_even, x_odd, act_even, act_odd, out)
+                 down_ts, x_even, x_odd, epilogue, act_even, act_odd, out)
 
 
 @njit(**FLAGS)
 def _loops_nvfp4(experts, offsets, pair_token, pair_weight, gate, gate_s, gate_ts, up, up_s, up_ts, down, down_s,
-                 down_ts, x_even, x_odd, act_even, act_odd, out):
+                 down_ts, x_even, x_odd, epilogue, act_even, act_odd, out):
     num_items = experts.shape[0] * gate.shape[1]
     for c in prange(-(-num_items // GATE_UP_ROWS)):
         gate_up_rows_nvfp4(c * GATE_UP_ROWS, min(c * GATE_UP_ROWS + GATE_UP_ROWS, num_items), experts, offsets,
-                           pair_token, gate, gate_s, gate_ts, up, up_s, up_ts, x_even, x_odd, act_even, act_odd)
+                           pair_token, gate, gate_s, gate_ts, up, up_s, up_ts, x_even, x_odd, epilogue, act_even,
+                           act_odd)
     num_hidden = down.shape[1]
     for c in prange(-(-num_hidden // DOWN_ROWS)):
         down_rows_nvfp4(c * DOWN_ROWS, min(c * DOWN_ROWS + DOWN_ROWS, num_hidden), experts, offsets, pair_token,
@@ -289,19 +290,19 @@ def _loops_nvfp4(experts, offsets, pair_token, pair_weight, gate, gate_s, gate_t
 
 # ---- the operator's entry: one partition -------------------------------------------------------------------------
 
-def decode_partition_mxfp4(x, routing, part, spec, out) -> None:
+def decode_partition_mxfp4(x, routing, part, spec, epilogue, out) -> None:
     """out += one partition's experts on x float32 [T, H], for `routing` (`operator.Routing`); `spec` (the layer's
     ExpertLayerSpec) is unused: the FP4 formats fix their groups."""
     r = routing
     decode_mxfp4(x, r.experts, r.offsets, r.pair_token, r.pair_weight, part.gate, part.gate_scales, part.up,
-                 part.up_scales, part.down, part.down_scales, out)
+                 part.up_scales, part.down, part.down_scales, epilogue, out)
 
 
-def decode_partition_nvfp4(x, routing, part, spec, out) -> None:
+def decode_partition_nvfp4(x, routing, part, spec, epilogue, out) -> None:
     r = routing
     decode_nvfp4(x, r.experts, r.offsets, r.pair_token, r.pair_weight, part.gate, part.gate_scales,
                  part.gate_tensor_scale, part.up, part.up_scales, part.up_tensor_scale, part.down, part.down_scales,
-                 part.down_tensor_scale, out)
+                 part.down_tensor_scale, epilogue, out)
 
 
 # ---- prefill: whole projections dequantized ----------------------------------------------------------------------

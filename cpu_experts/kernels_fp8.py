@@ -26,7 +26,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from cpu_experts.kernels import round_bf16
+from cpu_experts.kernels import activation, round_bf16
 from cpu_experts.kernels_vnni import _IR, has_vnni512
 from cpu_experts.kernels_vnni_int4 import FOUR_ROWS, GATE_UP, ONE_ROW, _sum_lanes
 
@@ -246,7 +246,7 @@ def dot2_fp8(row0, scales0, row1, scales1, x, group):
 
 @njit(**FLAGS)
 def decode_fp8(x, experts, offsets, pair_token, pair_weight, gate, gate_s, up, up_s, down, down_s, group_h,
-               group_i, out):
+               group_i, epilogue, out):
     """out[T, H] += this partition's experts on x float32 [T, H] (values already bf16-rounded); gate/up uint8
     [E, Ip, H], down uint8 [E, H, Ip] (e4m3 bits), their scales float32 [E, N, ceil(K / group)]."""
     num_pairs, rows = pair_token.shape[0], gate.shape[1]
@@ -254,7 +254,7 @@ def decode_fp8(x, experts, offsets, pair_token, pair_weight, gate, gate_s, up, u
     num_items = experts.shape[0] * rows
     for chunk in prange(-(-num_items // GATE_UP_ROWS)):
         gate_up_rows_fp8(chunk * GATE_UP_ROWS, min(chunk * GATE_UP_ROWS + GATE_UP_ROWS, num_items), experts, offsets,
-                         pair_token, gate, gate_s, up, up_s, x, group_h, act)
+                         pair_token, gate, gate_s, up, up_s, x, group_h, epilogue, act)
     num_hidden = down.shape[1]
     for block in prange(-(-num_hidden // DOWN_ROWS)):
         down_rows_fp8(block * DOWN_ROWS, min(block * DOWN_ROWS + DOWN_ROWS, num_hidden), experts, offsets,
@@ -266,7 +266,7 @@ def decode_fp8(x, experts, offsets, pair_token, pair_weight, gate, gate_s, up, u
 # called here directly (a numba-level helper per row cost its array copies' reference counts).
 
 @njit(**BODY, inline="always")
-def gate_up_rows_fp8(lo, hi, experts, offsets, pair_token, gate, gate_s, up, up_s, x, group_h, act):
+def gate_up_rows_fp8(lo, hi, experts, offsets, pair_token, gate, gate_s, up, up_s, x, group_h, epilogue, act):
     """Work items lo..hi, item r = (routed expert u, row i) = divmod(r, I): act[p, i] = bf16(silu(gate . x_t) *
     (up . x_t)) for u's pairs p."""
     rows = gate.shape[1]
@@ -284,8 +284,7 @@ def gate_up_rows_fp8(lo, hi, experts, offsets, pair_token, gate, gate_s, up, up_
                 if has_tail:
                     g += _groups_tail(gate, gate_s, e, i, x, t, group_h, full)
                     v += _groups_tail(up, up_s, e, i, x, t, group_h, full)
-                g *= FLOAT16_BIAS
-                act[p, i] = round_bf16(g / (np.float32(1.0) + np.exp(-g)) * (v * FLOAT16_BIAS))
+                act[p, i] = round_bf16(activation(g * FLOAT16_BIAS, v * FLOAT16_BIAS, epilogue, e, i, False))
         r += last - first
 
 
@@ -318,8 +317,9 @@ def down_rows_fp8(lo, hi, experts, offsets, pair_token, pair_weight, down, down_
                 out[t, h] += weight * d
 
 
-def decode_partition_fp8(x, routing, part, spec, out) -> None:
+def decode_partition_fp8(x, routing, part, spec, epilogue, out) -> None:
     """out += one partition's experts on x float32 [T, H] (rounded to bf16), for `routing` (`operator.Routing`)."""
     r = routing
     decode_fp8(x, r.experts, r.offsets, r.pair_token, r.pair_weight, part.gate, part.gate_scales, part.up,
-               part.up_scales, part.down, part.down_scales, spec.group(spec.hidden_size), spec.group(part.size), out)
+               part.up_scales, part.down, part.down_scales, spec.group(spec.hidden_size), spec.group(part.size),
+               epilogue, out)

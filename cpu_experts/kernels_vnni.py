@@ -24,7 +24,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from cpu_experts.kernels import quantize_row
+from cpu_experts.kernels import activation, quantize_row
 
 FLAGS = dict(parallel=True, fastmath=True, nogil=True, cache=True)
 VNNI = "llvm.x86.avx512.vpdpbusd.256"  # also selected as the VEX (AVX-VNNI) form where AVX-512 is absent
@@ -239,8 +239,9 @@ def prepare_int8(x, group, x_q, x_scale, x_sum):
 
 @njit(**FLAGS)
 def decode_int8(x, experts, offsets, pair_token, pair_weight, gate, gate_s, up, up_s, down, down_s, group_h,
-                group_i, out):
-    """out[T, H] += this partition's experts on x float32 [T, H] (see `cpu_experts.kernels` for the split)."""
+                group_i, epilogue, out):
+    """out[T, H] += this partition's experts on x float32 [T, H] (see `cpu_experts.kernels` for the split;
+    `epilogue`: `kernels.activation`'s)."""
     num_tokens, num_pairs, rows = x.shape[0], pair_token.shape[0], gate.shape[1]
     x_q = np.empty(x.shape, dtype=np.int8)
     x_scale = np.empty(num_tokens, dtype=np.float32)
@@ -248,7 +249,8 @@ def decode_int8(x, experts, offsets, pair_token, pair_weight, gate, gate_s, up, 
     prepare_int8(x, group_h, x_q, x_scale, x_sum)
     act = np.empty((num_pairs, rows), dtype=np.float32)
     for r in prange(experts.shape[0] * rows):
-        gate_up_item_int8(r, experts, offsets, pair_token, gate, gate_s, up, up_s, x_q, x_scale, x_sum, group_h, act)
+        gate_up_item_int8(r, experts, offsets, pair_token, gate, gate_s, up, up_s, x_q, x_scale, x_sum, group_h,
+                          epilogue, act)
     a_q = np.empty(act.shape, dtype=np.int8)
     a_scale = np.empty(num_pairs, dtype=np.float32)
     a_sum = np.empty((num_pairs, down_s.shape[2]), dtype=np.int64)
@@ -261,16 +263,17 @@ def decode_int8(x, experts, offsets, pair_token, pair_weight, gate, gate_s, up, 
 # own threads), so the two compute every output element with the same sums in the same order.
 
 @njit(fastmath=True, cache=True)
-def gate_up_item_int8(r, experts, offsets, pair_token, gate, gate_s, up, up_s, x_q, x_scale, x_sum, group_h, act):
-    """Work item r = (routed expert u, row i): act[p, i] = silu(gate . x_t) * (up . x_t) for u's pairs p."""
+def gate_up_item_int8(r, experts, offsets, pair_token, gate, gate_s, up, up_s, x_q, x_scale, x_sum, group_h, epilogue,
+                      act):
+    """Work item r = (routed expert u, row i): act[p, i] = silu(gate . x_t) * (up . x_t) (or the epilogue's
+    activation) for u's pairs p."""
     rows = gate.shape[1]
     u, i = r // rows, r % rows
     e = experts[u]
     for p in range(offsets[u], offsets[u + 1]):
         t = pair_token[p]
         g, v = _dot2_int8(gate[e, i], gate_s[e, i], up[e, i], up_s[e, i], x_q[t], x_sum[t], group_h)
-        g, v = g * x_scale[t], v * x_scale[t]
-        act[p, i] = g / (np.float32(1.0) + np.exp(-g)) * v
+        act[p, i] = activation(g * x_scale[t], v * x_scale[t], epilogue, e, i, False)
 
 
 @njit(fastmath=True, cache=True)

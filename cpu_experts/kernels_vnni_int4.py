@@ -24,7 +24,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from cpu_experts.kernels import scale_value, silu_mul
+from cpu_experts.kernels import activation, scale_value
 from cpu_experts.kernels_vnni import _IR, F32, FLAGS, I16, SERIAL_ROWS, has_vnni512
 
 # Vector bytes of the int4 loops: 64 where the CPU has 512-bit VNNI (half the instructions a byte of 32-byte
@@ -284,7 +284,7 @@ def prepare_int4(x, group, x_even, x_odd, x_scale, x_corr):
 
 @njit(**FLAGS)
 def decode_int4(x, experts, offsets, pair_token, pair_weight, gate, gate_s, up, up_s, down, down_s, group_h,
-                group_i, out):
+                group_i, epilogue, out):
     """out[T, H] += this partition's experts on x float32 [T, H] (`kernels_vnni.decode_int8` for packed int4)."""
     num_tokens, num_pairs, rows = x.shape[0], pair_token.shape[0], gate.shape[1]
     x_even = np.empty((num_tokens, gate.shape[2]), dtype=np.int8)  # gate rows: ceil(H / 2) bytes
@@ -296,7 +296,8 @@ def decode_int4(x, experts, offsets, pair_token, pair_weight, gate, gate_s, up, 
     num_items = experts.shape[0] * rows
     for chunk in prange(-(-num_items // GATE_UP_ROWS)):
         gate_up_rows_int4(chunk * GATE_UP_ROWS, min(chunk * GATE_UP_ROWS + GATE_UP_ROWS, num_items), experts,
-                          offsets, pair_token, gate, gate_s, up, up_s, x_even, x_odd, x_corr, x_scale, group_h, act)
+                          offsets, pair_token, gate, gate_s, up, up_s, x_even, x_odd, x_corr, x_scale, group_h,
+                          epilogue, act)
     a_even = np.empty((num_pairs, down.shape[2]), dtype=np.int8)  # down rows: ceil(Ip / 2) bytes
     a_odd = np.empty_like(a_even)
     a_scale = np.empty(num_pairs, dtype=np.float32)
@@ -313,7 +314,7 @@ def decode_int4(x, experts, offsets, pair_token, pair_weight, gate, gate_s, up, 
 
 @njit(fastmath=True, cache=True, inline="always")
 def gate_up_rows_int4(lo, hi, experts, offsets, pair_token, gate, gate_s, up, up_s, x_even, x_odd, x_corr, x_scale,
-                      group_h, act):
+                      group_h, epilogue, act):
     """Work items lo..hi, item r = (routed expert u, row i) = divmod(r, I): act[p, i] = silu(gate . x_t) *
     (up . x_t) for u's pairs p. The intrinsics are called here directly: through a numba-level helper, every row
     paid for the helper's array copies (reference counts) and the tail's call, half again its loop's time."""
@@ -333,7 +334,7 @@ def gate_up_rows_int4(lo, hi, experts, offsets, pair_token, gate, gate_s, up, up
                 if has_tail:
                     g += _groups_int4(gate, gate_s, e, i, x_even, x_odd, t, group_h, full)
                     v += _groups_int4(up, up_s, e, i, x_even, x_odd, t, group_h, full)
-                act[p, i] = silu_mul(g * x_scale[t], v * x_scale[t])
+                act[p, i] = activation(g * x_scale[t], v * x_scale[t], epilogue, e, i, True)
         r += last - first
 
 

@@ -1,7 +1,10 @@
 """`CpuMoE`: the routed experts of one MoE layer on the CPU.
 
 forward(hidden [T, H], topk_ids [T, K], topk_weights [T, K]) -> [T, H] = sum_k w[t, k] * expert_{id[t, k]}(h[t]),
-expert(x) = down(silu(gate x) * up x); an id of -1 is skipped (the expert runs elsewhere, e.g. on the GPU).
+expert(x) = down(silu(gate x) * up x); an id of -1 is skipped (the expert runs elsewhere, e.g. on the GPU). A layer
+whose spec says so (gpt-oss) adds biases and computes another activation: expert(x) = down(act(gate x + b_g,
+up x + b_u)) + b_d (`ExpertActivation`; every kernel through `kernels.activation`, the down bias weighted like
+the matmul and added once per call, after the partitions' sums: `kernels.add_down_bias`).
 
 Per call, the (token, slot) pairs are grouped by expert (`route`), then each partition of I computes its partial
 output and the partials are summed. Two paths, chosen per call by token count:
@@ -49,7 +52,7 @@ PREFILL_MIN_TOKENS = {"int8": 64, "int4": 512, "bf16": 0, "fp8": 512, "mxfp4": 5
 # The float formats' (`prefill_amx_float`, AMX-BF16): a first guess, not yet measured on the Xeon (issue 19).
 AMX_PREFILL_MIN_TOKENS = {"int8": 8, "int4": 32, "fp8": 32, "mxfp4": 32, "nvfp4": 32}
 # The float formats' decode kernels (bf16 activations, never W8A8), one partition a call: (x, routing, part, spec,
-# out), x already rounded to bf16.
+# epilogue, out), x already rounded to bf16.
 FLOAT_DECODE = {"fp8": kernels_fp8.decode_partition_fp8, "mxfp4": kernels_fp4.decode_partition_mxfp4,
                 "nvfp4": kernels_fp4.decode_partition_nvfp4}
 
@@ -123,6 +126,7 @@ class CpuMoE:
             prefill_min_tokens = (AMX_PREFILL_MIN_TOKENS if is_amx else PREFILL_MIN_TOKENS)[self.spec.dtype]
         self.prefill_min_tokens = prefill_min_tokens
         self.is_vnni = self.is_w8a8 and kernels_vnni.has_vnni()  # integer decode kernels (same results)
+        self.epilogues = kernels.epilogues(layer)  # per partition (`kernels.activation`)
 
     def __call__(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         self._check(hidden, topk_ids, topk_weights)
@@ -130,11 +134,21 @@ class CpuMoE:
         if self.spec.dtype != "bf16" and hidden.shape[0] < self.prefill_min_tokens:
             decode = self._decode_float if self.spec.dtype in FLOAT_DECODE else \
                 self._decode_vnni if self.is_vnni else self._decode
-            return torch.from_numpy(decode(_float32(hidden), routing)).to(hidden.dtype)
+            return self._with_bias(torch.from_numpy(decode(_float32(hidden), routing)), routing).to(hidden.dtype)
         if isinstance(self.prefill, DequantPrefill):  # PyTorch matmuls, in the activations' dtype
             dtype = hidden.dtype if hidden.dtype in (torch.bfloat16, torch.float32) else torch.float32
-            return self.prefill(hidden.detach().to(dtype), routing).to(hidden.dtype)
-        return torch.from_numpy(self.prefill(_float32(hidden), routing)).to(hidden.dtype)
+            return self._with_bias(self.prefill(hidden.detach().to(dtype), routing), routing).to(hidden.dtype)
+        return self._with_bias(torch.from_numpy(self.prefill(_float32(hidden), routing)), routing).to(hidden.dtype)
+
+    def _with_bias(self, out: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """out + each pair's weighted down bias (layers with biases; out float32 from every path but bf16's)."""
+        if self.layer.down_bias is None:
+            return out
+        r = routing
+        as_float = out.float().contiguous()
+        kernels.add_down_bias_all(r.experts, r.offsets, r.pair_token, r.pair_weight, self.layer.down_bias,
+                                  as_float.numpy())
+        return as_float
 
     def _check(self, hidden, topk_ids, topk_weights) -> None:
         if hidden.dim() != 2 or hidden.shape[1] != self.spec.hidden_size:
@@ -156,19 +170,19 @@ class CpuMoE:
             kernels.round_rows_int8(x)
         if self.spec.dtype == "int4":
             x_parts = _split_int4(x, group_h)  # after rounding: the int4 kernels see the rounded rows
-        for part in self.layer.partitions:
+        for part, epilogue in zip(self.layer.partitions, self.epilogues, strict=True):
             group_i = self.spec.group_size or part.size
             act = np.empty((num_pairs, part.size), dtype=np.float32)
             if self.spec.dtype == "int8":
                 kernels.gate_up_int8(x, r.experts, r.offsets, r.pair_token, part.gate, part.gate_scales, part.up,
-                                     part.up_scales, group_h, act)
+                                     part.up_scales, group_h, epilogue, act)
                 if self.is_w8a8:
                     kernels.round_rows_int8(act)
                 kernels.down_int8(act, r.experts, r.offsets, r.pair_token, r.pair_weight, part.down,
                                   part.down_scales, group_i, out)
                 continue
             kernels.gate_up_int4(*x_parts, r.experts, r.offsets, r.pair_token, part.gate, part.gate_scales, part.up,
-                                 part.up_scales, group_h, act)
+                                 part.up_scales, group_h, epilogue, act)
             if self.is_w8a8:
                 kernels.round_rows_int8(act)
             kernels.down_int4(*_split_int4(act, group_i), r.experts, r.offsets, r.pair_token, r.pair_weight,
@@ -181,9 +195,10 @@ class CpuMoE:
         r = routing
         decode = kernels_vnni.decode_int8 if self.spec.dtype == "int8" else kernels_vnni_int4.decode_int4
         group_h = self.spec.group(self.spec.hidden_size)
-        for part in self.layer.partitions:
+        for part, epilogue in zip(self.layer.partitions, self.epilogues, strict=True):
             decode(x, r.experts, r.offsets, r.pair_token, r.pair_weight, part.gate, part.gate_scales, part.up,
-                   part.up_scales, part.down, part.down_scales, group_h, self.spec.group_size or part.size, out)
+                   part.up_scales, part.down, part.down_scales, group_h, self.spec.group_size or part.size, epilogue,
+                   out)
         return out
 
     def _decode_float(self, x: np.ndarray, routing: Routing) -> np.ndarray:
@@ -192,8 +207,8 @@ class CpuMoE:
         out = np.zeros_like(x)
         x = torch.from_numpy(x).bfloat16().float().numpy()
         decode = FLOAT_DECODE[self.spec.dtype]
-        for part in self.layer.partitions:
-            decode(x, routing, part, self.spec, out)
+        for part, epilogue in zip(self.layer.partitions, self.epilogues, strict=True):
+            decode(x, routing, part, self.spec, epilogue, out)
         return out
 
 

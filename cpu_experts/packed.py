@@ -16,7 +16,14 @@ import numpy as np
 import torch
 
 from cpu_experts import memory
-from cpu_experts.expert_file import ALLOWED_SCALES, PACKED_FP4, ExpertLayerSpec, quantize_matrix
+from cpu_experts.expert_file import (
+    ALLOWED_SCALES,
+    PACKED_FP4,
+    SILU,
+    ExpertActivation,
+    ExpertLayerSpec,
+    quantize_matrix,
+)
 from cpu_experts.topology import split_dim
 
 PARTITION_ALIGN = 32  # partition boundaries along I: whole SIMD vectors, and whole int4 bytes
@@ -35,15 +42,17 @@ class PartitionWeights:
     gate_tensor_scale: np.ndarray | None = None  # [E] float32, NVFP4 only (whole rows: every partition has it)
     up_tensor_scale: np.ndarray | None = None
     down_tensor_scale: np.ndarray | None = None
+    gate_bias: np.ndarray | None = None  # [E, Ip] float32, layers with biases only (rows [start, end))
+    up_bias: np.ndarray | None = None
 
     @property
     def size(self) -> int:
         return self.end - self.start
 
     def named_arrays(self) -> dict[str, np.ndarray]:
-        """The weight and scale arrays this partition holds, by field name (scales are absent for bf16)."""
+        """The weight, scale and bias arrays this partition holds, by field name (scales are absent for bf16)."""
         roles = ("gate", "up", "down", "gate_scales", "up_scales", "down_scales", "gate_tensor_scale",
-                 "up_tensor_scale", "down_tensor_scale")
+                 "up_tensor_scale", "down_tensor_scale", "gate_bias", "up_bias")
         return {role: getattr(self, role) for role in roles if getattr(self, role) is not None}
 
     def arrays(self) -> list[np.ndarray]:
@@ -54,10 +63,12 @@ class PartitionWeights:
 class PackedLayer:
     spec: ExpertLayerSpec
     partitions: list[PartitionWeights]
+    down_bias: np.ndarray | None = None  # [E, H] float32 (whole rows: added once, after the partitions' sum)
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for p in self.partitions for a in p.arrays())
+        bias = 0 if self.down_bias is None else self.down_bias.nbytes
+        return sum(a.nbytes for p in self.partitions for a in p.arrays()) + bias
 
     def expert_bytes(self) -> int:
         """Bytes of weights and scales one expert reads (all partitions)."""
@@ -74,20 +85,26 @@ class PackedLayer:
             if start == end:
                 continue
             parts.append(_slice(arrays, spec, start, end))
-        return cls(spec, parts)
+        return cls(spec, parts, arrays.get("down.bias"))
 
     @classmethod
     def from_float(cls, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, dtype: str, group_size: int = 0,
-                   num_partitions: int = 1) -> PackedLayer:
-        """Quantizes stacked float weights gate/up [E, I, H], down [E, H, I] (tests and benchmarks)."""
+                   num_partitions: int = 1, activation: ExpertActivation = SILU,
+                   biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> PackedLayer:
+        """Quantizes stacked float weights gate/up [E, I, H], down [E, H, I] (tests and benchmarks); `biases`:
+        gate, up [E, I] and down [E, H], kept float32."""
         num_experts, inter, hidden = gate.shape
-        spec = ExpertLayerSpec(num_experts, hidden, inter, dtype, group_size, ALLOWED_SCALES[dtype][0])
+        spec = ExpertLayerSpec(num_experts, hidden, inter, dtype, group_size, ALLOWED_SCALES[dtype][0], activation,
+                               biases is not None)
         tensors: dict[str, list[torch.Tensor]] = {}
         for role, stacked in (("gate", gate), ("up", up), ("down", down)):
             for e in range(num_experts):
                 for part, t in quantize_matrix(stacked[e], spec).items():
                     tensors.setdefault(f"{role}.{part}", []).append(t)
-        return cls.from_file_tensors({n: torch.stack(ts) for n, ts in tensors.items()}, spec, num_partitions)
+        stacked = {n: torch.stack(ts) for n, ts in tensors.items()}
+        for role, bias in zip(("gate", "up", "down"), biases or (), strict=False):
+            stacked[f"{role}.bias"] = bias.float().contiguous()
+        return cls.from_file_tensors(stacked, spec, num_partitions)
 
 
 def _numpy(t: torch.Tensor) -> np.ndarray:
@@ -120,4 +137,6 @@ def _slice(arrays: dict[str, np.ndarray], spec: ExpertLayerSpec, start: int, end
         gate_tensor_scale=part("gate.tensor_scale", slice(None)),
         up_tensor_scale=part("up.tensor_scale", slice(None)),
         down_tensor_scale=part("down.tensor_scale", slice(None)),
+        gate_bias=part("gate.bias", rows),
+        up_bias=part("up.bias", rows),
     )

@@ -10,7 +10,8 @@ value times a float32 scale has more bits than bf16 holds). The call's (token, s
 `offsets[u]:offsets[u + 1]`. Per partition of I:
 
 1. per expert: gate = x_rows @ gate[e].T and up = x_rows @ up[e].T  ([rows_e, H] @ [H, Ip])
-2. for all pairs at once: act = silu(gate) * up                      ([R, Ip])
+2. for all pairs at once: act = silu(gate) * up                      ([R, Ip]; other activations and biases:
+   `kernels.activation_rows`, in float32)
 3. per expert: down = act_rows @ down[e].T                           ([rows_e, Ip] @ [Ip, H])
 4. for all pairs at once: out[t] += weight * down[row of the pair]
 
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 from numba import njit, prange
 
 from cpu_experts import kernels_fp4, memory
-from cpu_experts.kernels import round_rows_int8, scale_value
+from cpu_experts.kernels import activation_rows, epilogues, round_rows_int8, scale_value
 from cpu_experts.kernels_fp8 import FLOAT16_BIAS, e4m3_over_256
 from cpu_experts.packed import PackedLayer, PartitionWeights
 
@@ -108,6 +109,7 @@ class DequantPrefill:
         self.ws = workspace
         self.round_activations = round_activations
         self.bf16_activations = bf16_activations
+        self.epilogues = epilogues(layer)
 
     def __call__(self, x: torch.Tensor, routing) -> torch.Tensor:
         if self.bf16_activations:
@@ -118,20 +120,28 @@ class DequantPrefill:
         out = torch.zeros(x.shape, dtype=torch.float32)
         weights = torch.from_numpy(routing.pair_weight)[:, None]
         experts, bounds = routing.experts.tolist(), routing.offsets.tolist()
-        for part in self.layer.partitions:
+        for part, epilogue in zip(self.layer.partitions, self.epilogues, strict=True):
             gate = self.ws.tensor("gate", (num_pairs, part.size), x.dtype)
             up = self.ws.tensor("up", (num_pairs, part.size), x.dtype)
             for u, e in enumerate(experts):
                 r0, r1 = bounds[u], bounds[u + 1]
                 torch.mm(x_rows[r0:r1], self._weight(part, "gate", e, x.dtype).t(), out=gate[r0:r1])
                 torch.mm(x_rows[r0:r1], self._weight(part, "up", e, x.dtype).t(), out=up[r0:r1])
-            act = self._rounded(F.silu(gate) * up)  # [P, Ip]
+            act = self._rounded(self._activation(gate, up, routing, epilogue))  # [P, Ip]
             down = self.ws.tensor("down", (num_pairs, x.shape[1]), x.dtype)
             for u, e in enumerate(experts):
                 r0, r1 = bounds[u], bounds[u + 1]
                 torch.mm(act[r0:r1], self._weight(part, "down", e, x.dtype).t(), out=down[r0:r1])
             out.index_add_(0, pair_token, down.float() * weights)
         return out
+
+    def _activation(self, gate: torch.Tensor, up: torch.Tensor, routing, epilogue) -> torch.Tensor:
+        if epilogue is None:
+            return F.silu(gate) * up
+        act = torch.empty(gate.shape, dtype=torch.float32)
+        activation_rows(gate.float().numpy(), up.float().numpy(), routing.experts, routing.offsets, epilogue,
+                        act.numpy())
+        return act.to(gate.dtype)
 
     def _rounded(self, rows: torch.Tensor) -> torch.Tensor:
         if self.bf16_activations:

@@ -35,7 +35,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from cpu_experts.kernels import silu_mul
+from cpu_experts.kernels import activation, epilogues
 from cpu_experts.packed import PackedLayer
 from cpu_experts.prefill import Workspace
 from cpu_experts.prefill_int8 import COLUMN_TILE, quantize_rows
@@ -288,8 +288,9 @@ def pack_vnni(words, src_rows, offsets, col_offsets, out):
 
 
 @njit(fastmath=True, cache=True)
-def _act_epilogue(c, num_cols, p_first, e, i0, pair_token, x_scale, gate_s, up_s, act):
-    """act[p, i0:i0 + 16] = silu(gate) * up, scales applied, for the pass's columns that are pairs. (Computing
+def _act_epilogue(c, num_cols, p_first, e, i0, pair_token, x_scale, gate_s, up_s, epilogue, act):
+    """act[p, i0:i0 + 16] = silu(gate) * up (`kernels.activation`), scales applied, for the pass's columns that are
+    pairs. (Computing
     whole tile rows first and scattering after measured slower on the 16-core Xeon.)"""
     for j in range(num_cols):
         p = p_first + j
@@ -299,7 +300,7 @@ def _act_epilogue(c, num_cols, p_first, e, i0, pair_token, x_scale, gate_s, up_s
             i = i0 + r
             g = np.float32(c[at + r * TILE_ROWS]) * (xs * gate_s[e, i, 0])
             v = np.float32(c[at + 256 + r * TILE_ROWS]) * (xs * up_s[e, i, 0])
-            act[p, i] = silu_mul(g, v)
+            act[p, i] = activation(g, v, epilogue, e, i, True)
 
 
 @njit(fastmath=True, cache=True)
@@ -315,7 +316,8 @@ def _down_epilogue(c, num_cols, p_first, e, h0, pair_token, pair_weight, a_scale
 
 
 @njit(**FLAGS)
-def gate_up_amx(cfg, gate, up, gate_s, up_s, experts, offsets, pair_token, col_offsets, x_v, x_scale, act):
+def gate_up_amx(cfg, gate, up, gate_s, up_s, experts, offsets, pair_token, col_offsets, x_v, x_scale, epilogue,
+                act):
     """act[p, i] = silu(gate[e, i] . x) * (up[e, i] . x) for every pair p of expert e, scales applied; tasks are
     (expert, block of 16 rows of I)."""
     rows, hidden = gate.shape[1], gate.shape[2]
@@ -333,7 +335,7 @@ def gate_up_amx(cfg, gate, up, gate_s, up_s, experts, offsets, pair_token, col_o
             _block(gate, a_off, up, a_off, hidden, x_v, b_off, num_ct * TILE_ROWS * TILE_BYTES, num_k, num_b, ct == 0,
                    c)
             _act_epilogue(c, min(num_b * TILE_ROWS, m - ct * TILE_ROWS), p0 + ct * TILE_ROWS, e,
-                          rb * TILE_ROWS, pair_token, x_scale, gate_s, up_s, act)
+                          rb * TILE_ROWS, pair_token, x_scale, gate_s, up_s, epilogue, act)
         _tile_end()
 
 
@@ -388,6 +390,7 @@ class AmxPrefill:
         self.ws = workspace
         self.cfg = tile_config()
         self.gate_up, self.down = kernels or (gate_up_amx, down_amx)
+        self.epilogues = epilogues(layer)
 
     def __call__(self, x: np.ndarray, routing) -> np.ndarray:
         ws, r = self.ws, routing
@@ -407,10 +410,10 @@ class AmxPrefill:
         task_rows = 2 * TILE_ROWS * -(-blocks // numba.get_num_threads())  # one task of down_amx per thread
         a_scale = np.empty(num_pairs, dtype=np.float32)
         out = np.zeros(x.shape, dtype=np.float32)
-        for part in self.layer.partitions:
+        for part, epilogue in zip(self.layer.partitions, self.epilogues, strict=True):
             act = ws.array("act", (num_pairs, part.size), np.float32)
             self.gate_up(self.cfg, part.gate, part.up, part.gate_scales, part.up_scales, r.experts, r.offsets,
-                    r.pair_token, col_offsets, x_v.view(np.int8), x_scale, act)
+                         r.pair_token, col_offsets, x_v.view(np.int8), x_scale, epilogue, act)
             a_q = ws.array("a_q", act.shape, np.int8)
             quantize_rows(act, a_q, a_scale)
             a_v = ws.array("a_v", (part.size // 4 * num_cols,), np.int32)

@@ -38,7 +38,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from cpu_experts import formats
-from cpu_experts.kernels import bf16_bits, scale_value, silu_mul
+from cpu_experts.kernels import activation, bf16_bits, epilogues, scale_value
 from cpu_experts.packed import PackedLayer
 from cpu_experts.prefill import Workspace
 from cpu_experts.prefill_amx import (
@@ -279,13 +279,14 @@ def _scale_add(c, acc, num_b, rs, num_gs, g):
 
 
 @njit(fastmath=True, cache=True)
-def _act_epilogue(acc, num_cols, p_first, i0, act):
-    """act[p, i0:i0 + 16] = bf16(silu(gate) * up) for the pass's columns that are pairs."""
+def _act_epilogue(acc, num_cols, p_first, e, i0, epilogue, act):
+    """act[p, i0:i0 + 16] = bf16(silu(gate) * up) (`kernels.activation`) for the pass's columns that are pairs."""
     for j in range(num_cols):
         p = p_first + j
         at = (j // TILE_ROWS) * 512 + j % TILE_ROWS
         for r in range(TILE_ROWS):
-            act[p, i0 + r] = bf16_bits(silu_mul(acc[at + r * TILE_ROWS], acc[at + 256 + r * TILE_ROWS]))
+            act[p, i0 + r] = bf16_bits(activation(acc[at + r * TILE_ROWS], acc[at + 256 + r * TILE_ROWS], epilogue, e,
+                                                  i0 + r, True))
 
 
 @njit(fastmath=True, cache=True)
@@ -304,7 +305,7 @@ def _down_epilogue(acc, num_cols, p_first, h0, pair_token, pair_weight, out):
 
 @njit(**FLAGS)
 def gate_up_bf16(cfg, fmt, gate, gate_s, gate_ts, up, up_s, up_ts, group, experts, offsets, col_offsets, x_v,
-                 scratch, row_scales, factors, act):
+                 scratch, row_scales, factors, epilogue, act):
     """act[p, i] = bf16(silu(gate[e, i] . x) * (up[e, i] . x)) (uint16 bits) for every pair p of expert e; tasks
     are (expert, 16 rows of I); per thread, `scratch` holds the task's gate and up rows in bf16, `row_scales` their
     group scales, `factors` a row's FP4 factors."""
@@ -335,7 +336,7 @@ def gate_up_bf16(cfg, fmt, gate, gate_s, gate_ts, up, up_s, up_ts, group, expert
                 _bf16_block(a, 2 * k0, a, 2 * (TILE_ROWS * hidden + k0), 2 * hidden, x_v, b_off + k0 // STEP * b_step,
                             b_step, num_k, num_b, c)
                 _scale_add(c, acc, num_b, rs, num_gs, g)
-            _act_epilogue(acc, min(num_b * TILE_ROWS, m - ct * TILE_ROWS), p0 + ct * TILE_ROWS, r0, act)
+            _act_epilogue(acc, min(num_b * TILE_ROWS, m - ct * TILE_ROWS), p0 + ct * TILE_ROWS, e, r0, epilogue, act)
         _tile_end()
 
 
@@ -440,6 +441,7 @@ class FloatAmxPrefill:
         self.cfg = tile_config()
         self.gate_up, self.down = kernels or (gate_up_bf16, down_bf16)
         self.ones = np.ones(self.spec.num_experts, dtype=np.float32)  # the tensor scale of the formats without
+        self.epilogues = epilogues(layer)
 
     def _tensor_scale(self, part, role: str) -> np.ndarray:
         ts = getattr(part, f"{role}_tensor_scale")
@@ -466,11 +468,11 @@ class FloatAmxPrefill:
         pair_rows = np.arange(num_pairs, dtype=np.int64)
         group = spec.group_size
         out = np.zeros(x.shape, dtype=np.float32)
-        for part in self.layer.partitions:
+        for part, epilogue in zip(self.layer.partitions, self.epilogues, strict=True):
             act = ws.array("act_bf16", (num_pairs, part.size), np.uint16)
             self.gate_up(self.cfg, self.fmt, part.gate, part.gate_scales, self._tensor_scale(part, "gate"), part.up,
                          part.up_scales, self._tensor_scale(part, "up"), group, r.experts, r.offsets, col_offsets,
-                         x_v.view(np.uint16), scratch, row_scales, factors, act)
+                         x_v.view(np.uint16), scratch, row_scales, factors, epilogue, act)
             a_v = ws.array("a_v", (part.size // 2 * num_cols,), np.int32)
             pack_vnni(act.view(np.int32), pair_rows, r.offsets, col_offsets, a_v)
             self.down(self.cfg, self.fmt, part.down, part.down_scales, self._tensor_scale(part, "down"), group,

@@ -31,7 +31,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from cpu_experts.kernels import scale_value, silu_mul
+from cpu_experts.kernels import activation, epilogues, scale_value
 from cpu_experts.packed import PackedLayer
 from cpu_experts.prefill import Workspace
 from cpu_experts.prefill_amx import (
@@ -127,8 +127,9 @@ def permute_columns(q: np.ndarray, unit: int = TILE_BYTES) -> np.ndarray:
 
 @njit(**FLAGS)
 def gate_up_grouped(cfg, gate, up, gate_s, up_s, experts, offsets, pair_token, col_offsets, x_v, x_scale, group,
-                    is_int4, scratch, act):
-    """act[p, i] = silu(gate[e, i] . x) * (up[e, i] . x) for every pair p of expert e; tasks are (expert, 16 rows
+                    is_int4, scratch, epilogue, act):
+    """act[p, i] = silu(gate[e, i] . x) * (up[e, i] . x) (`kernels.activation`) for every pair p of expert e; tasks
+    are (expert, 16 rows
     of I); `scratch` [threads, 2 * 16 * H] int8 holds each task's unpacked gate and up rows."""
     rows, hidden = gate.shape[1], scratch.shape[1] // (2 * TILE_ROWS)
     num_rb, steps, unit = rows // TILE_ROWS, group // TILE_BYTES, min(group, TILE_BYTES)
@@ -158,8 +159,8 @@ def gate_up_grouped(cfg, gate, up, gate_s, up_s, experts, offsets, pair_token, c
                     _block(a_gate, g * group, a_up, g * group, hidden, x_v, b_off + g * steps * b_step, b_step, num_k,
                            num_b, False, c)
                 _scale_add(c, acc, num_b, gate_s, rb * TILE_ROWS, up_s, rb * TILE_ROWS, e, g)
-            _act_from_acc(acc, min(num_b * TILE_ROWS, m - ct * TILE_ROWS), p0 + ct * TILE_ROWS, rb * TILE_ROWS,
-                          pair_token, x_scale, act)
+            _act_from_acc(acc, min(num_b * TILE_ROWS, m - ct * TILE_ROWS), p0 + ct * TILE_ROWS, e, rb * TILE_ROWS,
+                          pair_token, x_scale, epilogue, act)
         _tile_end()
 
 
@@ -178,13 +179,14 @@ def _scale_add(c, acc, num_b, scales0, row0, scales1, row1, e, g):
 
 
 @njit(fastmath=True, cache=True)
-def _act_from_acc(acc, num_cols, p_first, i0, pair_token, x_scale, act):
+def _act_from_acc(acc, num_cols, p_first, e, i0, pair_token, x_scale, epilogue, act):
     for j in range(num_cols):
         p = p_first + j
         xs = x_scale[pair_token[p]]
         at = (j // TILE_ROWS) * 512 + j % TILE_ROWS
         for r in range(TILE_ROWS):
-            act[p, i0 + r] = silu_mul(acc[at + r * TILE_ROWS] * xs, acc[at + 256 + r * TILE_ROWS] * xs)
+            act[p, i0 + r] = activation(acc[at + r * TILE_ROWS] * xs, acc[at + 256 + r * TILE_ROWS] * xs, epilogue, e,
+                                        i0 + r, True)
 
 
 @njit(**FLAGS)
@@ -256,6 +258,7 @@ class GroupedAmxPrefill:
         self.unit = permutation_unit(self.spec.group_size)
         self.cfg = tile_config(HALF_GROUP if self.spec.group_size == HALF_GROUP else TILE_BYTES)
         self.gate_up, self.down = kernels or (gate_up_grouped, down_grouped)
+        self.epilogues = epilogues(layer)
 
     def _packed(self, q: np.ndarray, name: str, cols: int, src_rows, r, col_offsets) -> np.ndarray:
         """int8 rows -> their B operand (`prefill_amx.pack_vnni`), columns permuted for int4 weights."""
@@ -280,11 +283,11 @@ class GroupedAmxPrefill:
         task_rows = 2 * TILE_ROWS * -(-(hidden // (2 * TILE_ROWS)) // num_threads)  # one down task per thread
         a_scale = np.empty(num_pairs, dtype=np.float32)
         out = np.zeros(x.shape, dtype=np.float32)
-        for part in self.layer.partitions:
+        for part, epilogue in zip(self.layer.partitions, self.epilogues, strict=True):
             act = ws.array("act", (num_pairs, part.size), np.float32)
             scratch = ws.array("a_gate_up", (num_threads, 2 * TILE_ROWS * hidden), np.int8)
             self.gate_up(self.cfg, part.gate, part.up, part.gate_scales, part.up_scales, r.experts, r.offsets,
-                         r.pair_token, col_offsets, x_v, x_scale, group, self.is_int4, scratch, act)
+                         r.pair_token, col_offsets, x_v, x_scale, group, self.is_int4, scratch, epilogue, act)
             a_q = ws.array("a_q", act.shape, np.int8)
             quantize_rows(act, a_q, a_scale)
             a_v = self._packed(a_q, "a_v", part.size, pair_rows, r, col_offsets)

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from cpu_experts.kernels import quantize_row, silu_mul
+from cpu_experts.kernels import activation, epilogues, quantize_row
 from cpu_experts.packed import PackedLayer
 from cpu_experts.prefill import Workspace
 
@@ -56,9 +56,10 @@ def pack_columns(x_q, offsets, pair_token, col_offsets, x_t):
 
 
 @njit(**FLAGS)
-def act_columns(gate_acc, up_acc, experts, offsets, pair_token, col_offsets, x_scale, gate_s, up_s, act, act_t,
-                act_scale):
-    """Step 3: act = silu(gate_acc * s) * (up_acc * s') per column (s = token scale * channel scale), then each
+def act_columns(gate_acc, up_acc, experts, offsets, pair_token, col_offsets, x_scale, gate_s, up_s, epilogue, act,
+                act_t, act_scale):
+    """Step 3: act = silu(gate_acc * s) * (up_acc * s') per column (s = token scale * channel scale;
+    `kernels.activation`), then each
     pair's act quantized over this partition's Ip rows (absmax / 127, as `quantize_row`) into act_t (flat blocks
     [Ip, n_u]) and act_scale [P]. act: float32 scratch of act_t's size."""
     rows = gate_s.shape[1]
@@ -75,7 +76,7 @@ def act_columns(gate_acc, up_acc, experts, offsets, pair_token, col_offsets, x_s
                 xs = x_scale[pair_token[p0 + j]]
                 g = np.float32(gate_acc[at + j]) * (xs * gs)
                 v = np.float32(up_acc[at + j]) * (xs * us)
-                a = silu_mul(g, v)
+                a = activation(g, v, epilogue, e, i, True)
                 act[at + j] = a
                 amax[j] = max(amax[j], abs(a))
         inv = np.zeros(m, dtype=np.float32)
@@ -116,6 +117,7 @@ class Int8Prefill:
         self.layer = layer
         self.ws = workspace
         self.views = [tuple(torch.from_numpy(w) for w in (p.gate, p.up, p.down)) for p in layer.partitions]
+        self.epilogues = epilogues(layer)
 
     def __call__(self, x: np.ndarray, routing) -> np.ndarray:
         ws, r = self.ws, routing
@@ -131,15 +133,15 @@ class Int8Prefill:
         pack_columns(x_q, r.offsets, r.pair_token, col_offsets, x_t)
         act_scale = np.empty(len(r.pair_token), dtype=np.float32)
         out = np.zeros(x.shape, dtype=np.float32)
-        for part, (gate, up, down) in zip(self.layer.partitions, self.views, strict=True):
+        for part, (gate, up, down), epilogue in zip(self.layer.partitions, self.views, self.epilogues, strict=True):
             size = part.size
             gate_acc = ws.array("gate_acc", (size * num_cols,), np.int32)
             up_acc = ws.array("up_acc", (size * num_cols,), np.int32)
             self._matmuls(((gate, x_t, gate_acc), (up, x_t, up_acc)), r.experts, col_offsets)
             act_t = ws.array("act_t", (size * num_cols,), np.int8)
             act_columns(gate_acc, up_acc, r.experts, r.offsets, r.pair_token, col_offsets, x_scale,
-                        part.gate_scales, part.up_scales, ws.array("act", (size * num_cols,), np.float32), act_t,
-                        act_scale)
+                        part.gate_scales, part.up_scales, epilogue, ws.array("act", (size * num_cols,), np.float32),
+                        act_t, act_scale)
             down_acc = ws.array("down_acc", (hidden * num_cols,), np.int32)
             self._matmuls(((down, act_t, down_acc),), r.experts, col_offsets)
             combine_columns(down_acc, r.experts, r.offsets, r.pair_token, r.pair_weight, col_offsets, act_scale,

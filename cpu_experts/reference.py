@@ -5,6 +5,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from cpu_experts.expert_file import SILU, ExpertActivation
+
+
+def expert_activation(gate: torch.Tensor, up: torch.Tensor, activation: ExpertActivation = SILU) -> torch.Tensor:
+    """The activation between an expert's gate/up (biases added) and down projections (`ExpertActivation`)."""
+    if activation.is_silu:
+        return F.silu(gate) * up
+    g = gate.clamp(max=activation.limit)
+    u = up.clamp(min=-activation.limit, max=activation.limit)
+    return (u + 1) * (g * torch.sigmoid(g * activation.alpha))
+
 
 def moe_reference(
     hidden: torch.Tensor,
@@ -16,6 +27,8 @@ def moe_reference(
     int8_activations: bool = False,
     partitions: list[tuple[int, int]] | None = None,
     bf16_activations: bool = False,
+    activation: ExpertActivation = SILU,
+    biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """hidden [T, H]; w_gate, w_up [E, I, H]; w_down [E, H, I]; topk_ids [T, K] (-1 = skip); weights [T, K].
 
@@ -24,6 +37,8 @@ def moe_reference(
     are rounded to int8 with a per-row absmax scale first, as the W8A8 prefill path does; with `partitions`
     (slices [start, end) of I), the down projection's input has one scale per row per slice. `bf16_activations`:
     each matmul's input is rounded to bfloat16 instead (the float formats' contract: FP8, MXFP4, NVFP4).
+    `activation` and `biases` (gate, up [E, I], down [E, H]): the layer's (`ExpertLayerSpec`); the down bias is part
+    of each expert's output, weighted like its matmul.
     """
     def fake_quant(t: torch.Tensor, slices=((0, None),)) -> torch.Tensor:
         if bf16_activations:
@@ -40,9 +55,10 @@ def moe_reference(
             raise IndexError(f"expert id {expert} out of range for {num_experts} experts")
         token_idx, k_idx = torch.where(topk_ids == expert)
         x = fake_quant(hidden[token_idx])
-        h = F.silu(F.linear(x, w_gate[expert])) * F.linear(x, w_up[expert])
+        gate_bias, up_bias, down_bias = (b[expert] for b in biases) if biases is not None else (None, None, None)
+        h = expert_activation(F.linear(x, w_gate[expert], gate_bias), F.linear(x, w_up[expert], up_bias), activation)
         h = fake_quant(h, partitions or ((0, None),))
-        y = F.linear(h, w_down[expert]) * topk_weights[token_idx, k_idx, None]
+        y = F.linear(h, w_down[expert], down_bias) * topk_weights[token_idx, k_idx, None]
         out.index_add_(0, token_idx, y.to(out.dtype))
     return out
 

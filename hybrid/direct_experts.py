@@ -7,12 +7,18 @@ threads (torch's ops release the GIL), either copied as the checkpoint stores th
 compressed-tensors INT4: `hybrid.native_experts`) or quantized from their values to the engine's `expert_dtype`
 (bf16 and fp16 experts; int8 by default), then sliced into NUMA partitions and handed to the layer's `CpuExperts`.
 A stored expert that holds NaN (NaN codes or scales) is refused, naming the tensor and its file.
+
+A model whose experts are stored fused per layer (gpt-oss) says so with `fused_experts_prefix(layer)`: its layers
+are read by `native_experts.read_gpt_oss_layer` (with the biases and activation its spec carries:
+`expert_activation`, `has_expert_bias`), and its expert tensors are skipped by the dense load (the model's
+`is_ignored_tensor`), so they are not named here.
 """
 
 from __future__ import annotations
 
 import logging
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import torch
 
@@ -21,7 +27,15 @@ from cpu_experts.expert_file import ROLES, ExpertLayerSpec
 from cpu_experts.module import CpuExperts
 from cpu_experts.packed import PackedLayer
 from hybrid.checkpoint import Checkpoint
-from hybrid.native_experts import ExpertFormat, projection_parts, resolve, routed_names, source_format
+from hybrid.native_experts import (
+    ExpertFormat,
+    gpt_oss_source,
+    projection_parts,
+    read_gpt_oss_layer,
+    resolve,
+    routed_names,
+    source_format,
+)
 
 log = logging.getLogger(__name__)
 
@@ -33,14 +47,31 @@ def cpu_layers(model) -> dict[int, CpuExperts]:
 
 def direct_expert_names(model) -> set[str]:
     """The checkpoint names of the routed experts this loader reads (those of layers computed by the CPU operator)."""
+    if is_fused(model):
+        return set()
     layers = set(cpu_layers(model))
     return {name for layer, _, _, name in routed_names(model) if layer in layers}
 
 
+def is_fused(model) -> bool:
+    return hasattr(model, "fused_experts_prefix")
+
+
 def expert_format(model, ckpt: Checkpoint, expert_dtype: str) -> ExpertFormat:
     """The CPU experts' format for `expert_dtype` (see `hybrid.native_experts.resolve`) over this checkpoint."""
-    source = source_format(ckpt, [name for *_, name in routed_names(model)])
+    if is_fused(model):
+        source = gpt_oss_source(ckpt, model.fused_experts_prefix(model.config.moe_layer_indices[0]))
+    else:
+        source = source_format(ckpt, [name for *_, name in routed_names(model)])
     return resolve(source, expert_dtype, flag="--expert-dtype")
+
+
+def layer_spec(model, fmt: ExpertFormat):
+    """The expert files' spec of `model`'s layers in format `fmt`, with the model's activation and biases."""
+    spec = fmt.spec(model.config)
+    if hasattr(model, "expert_activation"):
+        spec = replace(spec, activation=model.expert_activation, has_bias=model.has_expert_bias)
+    return spec
 
 
 def load_direct_cpu_experts(model, ckpt: Checkpoint, expert_dtype: str, num_partitions: int,
@@ -52,7 +83,7 @@ def load_direct_cpu_experts(model, ckpt: Checkpoint, expert_dtype: str, num_part
     note = fmt.note("expert_dtype='auto' (--expert-dtype auto)")
     if note is not None:
         log.info("%s", note)
-    spec = fmt.spec(model.config)
+    spec = layer_spec(model, fmt)
     modules = sorted(cpu_layers(model).values(), key=lambda m: m.layer_idx)
     num_threads = num_threads or len(topology.allowed_cpus())
     for module in progress(modules) if progress is not None else modules:
@@ -65,6 +96,8 @@ def load_direct_cpu_experts(model, ckpt: Checkpoint, expert_dtype: str, num_part
 def read_layer(ckpt: Checkpoint, model, layer: int, spec: ExpertLayerSpec, is_passthrough: bool,
                num_threads: int = 1) -> dict[str, torch.Tensor]:
     """MoE layer `layer`'s experts as the expert file's stacked tensors, `num_threads` experts at a time."""
+    if is_fused(model):
+        return read_gpt_oss_layer(ckpt, model.fused_experts_prefix(layer), spec, ckpt.refuse_nonfinite)
     tensors = {name: memory.empty_tensor(shape, dtype) for name, (shape, dtype) in spec.tensor_shapes().items()}
 
     def one_expert(expert: int) -> None:

@@ -10,18 +10,26 @@ one, else int8), and whether the source's format is that one.
 
 gpt-oss keeps its experts fused and MXFP4 (`mlp.experts.gate_up_proj_blocks` [E, 2I, H/32, 16] with gate and up
 interleaved along the rows, `*_scales` E8M0 [E, 2I, H/32], `down_proj_blocks` [E, H, I/32, 16], `down_proj_scales`):
-`read_gpt_oss_layer` reads one layer of them as stored (their biases are not part of the expert file; the model
-family itself is a later issue).
+`read_gpt_oss_layer` reads one layer of them, as stored where the expert dtype is MXFP4, else quantized from their
+values (or from a bf16 checkpoint's fused `gate_up_proj` [E, H, 2I] / `down_proj` [E, I, H]), with their biases
+(`gate_up_proj_bias` de-interleaved, `down_proj_bias`) as the expert file's float32 `*.bias`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from cpu_experts.expert_file import ALLOWED_SCALES, FIXED_GROUP, ROLES, ExpertLayerSpec, quantize_matrix
+from cpu_experts.expert_file import (
+    ALLOWED_SCALES,
+    FIXED_GROUP,
+    ROLES,
+    ExpertLayerSpec,
+    dequantize_matrix,
+    quantize_matrix,
+)
 from hybrid.checkpoint import Checkpoint
 from hybrid.errors import CheckpointError, ConfigError
 
@@ -146,13 +154,62 @@ def projection_parts(ckpt: Checkpoint, name: str, role: str, spec: ExpertLayerSp
             yield part, tensor, first
 
 
+def gpt_oss_source(ckpt: Checkpoint, prefix: str) -> SourceFormat | None:
+    """MXFP4 where the checkpoint stores gpt-oss's experts as published (`*_blocks` under `prefix`), else None."""
+    return SourceFormat("mxfp4", 32, "e8m0") if f"{prefix}.gate_up_proj_blocks" in ckpt.files else None
+
+
 def read_gpt_oss_layer(ckpt: Checkpoint, prefix: str, spec: ExpertLayerSpec,
                        check: Check | None = None) -> dict[str, torch.Tensor]:
-    """One layer of gpt-oss's fused MXFP4 experts under `prefix` (`model.layers.N.mlp.experts`) -> the expert
-    file's stacked tensors, as stored: the packed codes reshaped (32 columns are 16 bytes, even column in the low
-    nibble, as `cpu_experts.formats`), the gate/up rows de-interleaved (gate = rows 0::2, up = rows 1::2)."""
-    if spec.dtype != "mxfp4":
-        raise ValueError(f"gpt-oss experts are MXFP4; the spec says {spec.dtype}")
+    """One layer of gpt-oss's fused experts under `prefix` (`model.layers.N.mlp.experts`) -> the expert file's
+    stacked tensors: MXFP4 as stored where both are MXFP4, else quantized to `spec` from the weights' values; plus
+    the biases where `spec.has_bias`."""
+    if gpt_oss_source(ckpt, prefix) is not None and spec.dtype == "mxfp4":
+        tensors = _gpt_oss_mxfp4(ckpt, prefix, spec, check)
+    else:
+        tensors = _gpt_oss_quantized(ckpt, prefix, spec, check)
+    if spec.has_bias:
+        gate_up_bias = ckpt.read(f"{prefix}.gate_up_proj_bias").float()
+        down_bias = ckpt.read(f"{prefix}.down_proj_bias").float()
+        _check(check, f"{prefix}.gate_up_proj_bias", gate_up_bias)
+        _check(check, f"{prefix}.down_proj_bias", down_bias)
+        tensors |= {"gate.bias": gate_up_bias[:, 0::2].contiguous(), "up.bias": gate_up_bias[:, 1::2].contiguous(),
+                    "down.bias": down_bias.contiguous()}
+    return tensors
+
+
+def _gpt_oss_quantized(ckpt: Checkpoint, prefix: str, spec: ExpertLayerSpec, check: Check | None
+                       ) -> dict[str, torch.Tensor]:
+    """gate, up [E, I, H] and down [E, H, I] as float values (a bf16 checkpoint's `gate_up_proj` [E, H, 2I] and
+    `down_proj` [E, I, H] transposed, or published MXFP4 dequantized), quantized expert by expert to `spec`."""
+    e = spec.num_experts
+    if gpt_oss_source(ckpt, prefix) is not None:
+        mx = replace(spec, dtype="mxfp4", group_size=32, scale_dtype="e8m0", has_bias=False)
+        stored = _gpt_oss_mxfp4(ckpt, prefix, mx, check)
+        weights = {role: torch.stack([dequantize_matrix(stored[f"{role}.weight"][x], stored[f"{role}.scales"][x],
+                                                        role, mx) for x in range(e)]) for role in ROLES}
+    else:
+        gate_up = ckpt.read(f"{prefix}.gate_up_proj")
+        down = ckpt.read(f"{prefix}.down_proj")
+        _check(check, f"{prefix}.gate_up_proj", gate_up)
+        _check(check, f"{prefix}.down_proj", down)
+        weights = {"gate": gate_up[..., 0::2].transpose(1, 2), "up": gate_up[..., 1::2].transpose(1, 2),
+                   "down": down.transpose(1, 2)}
+    quantized: dict[str, list[torch.Tensor]] = {}
+    for role in ROLES:
+        if tuple(weights[role].shape) != (e, *spec.matrix_shape(role)):
+            raise CheckpointError(f"{ckpt.directory}: gpt-oss experts under '{prefix}' give {role} "
+                                  f"{tuple(weights[role].shape)}, expected {(e, *spec.matrix_shape(role))}")
+        for x in range(e):
+            for part, tensor in quantize_matrix(weights[role][x], spec).items():
+                quantized.setdefault(f"{role}.{part}", []).append(tensor)
+    return {name: torch.stack(parts) for name, parts in quantized.items()}
+
+
+def _gpt_oss_mxfp4(ckpt: Checkpoint, prefix: str, spec: ExpertLayerSpec, check: Check | None
+                   ) -> dict[str, torch.Tensor]:
+    """The published MXFP4 experts as stored: the packed codes reshaped (32 columns are 16 bytes, even column in the
+    low nibble, as `cpu_experts.formats`), the gate/up rows de-interleaved (gate = rows 0::2, up = rows 1::2)."""
     e, hidden, inter = spec.num_experts, spec.hidden_size, spec.intermediate_size
     expected = {"gate_up_proj_blocks": (e, 2 * inter, -(-hidden // 32), 16),
                 "gate_up_proj_scales": (e, 2 * inter, -(-hidden // 32)),

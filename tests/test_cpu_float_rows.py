@@ -76,7 +76,7 @@ def test_fp8_gate_up_rows(group, cols):
     num_items = len(experts) * rows
     whole = np.full((3, rows), np.nan, np.float32)
     kernels_fp8.gate_up_rows_fp8(0, num_items, experts, offsets, pair_token, gate, gate_s, up, up_s, x, group,
-                                 whole)
+                                 None, whole)
     for u, e in enumerate(experts):
         for p in range(offsets[u], offsets[u + 1]):
             g, v = wg[e] @ x[pair_token[p]], wu[e] @ x[pair_token[p]]
@@ -85,7 +85,8 @@ def test_fp8_gate_up_rows(group, cols):
             assert np.all(np.abs(whole[p] - want) <= np.abs(want) * 2.0 ** -8 + 1e-6), (p, whole[p], want)
     split = np.full_like(whole, np.nan)
     for lo, hi in ((0, 5), (5, 9), (9, num_items)):  # 5..9 crosses from the first routed expert to the second
-        kernels_fp8.gate_up_rows_fp8(lo, hi, experts, offsets, pair_token, gate, gate_s, up, up_s, x, group, split)
+        kernels_fp8.gate_up_rows_fp8(lo, hi, experts, offsets, pair_token, gate, gate_s, up, up_s, x, group, None,
+                                     split)
     assert np.array_equal(whole, split)
 
 
@@ -164,10 +165,10 @@ def test_fp4_gate_up_rows(fmt, cols):
     def run(lo, hi, act_even, act_odd):
         if fmt == "mxfp4":
             kernels_fp4.gate_up_rows_mxfp4(lo, hi, experts, offsets, pair_token, gate, gate_s, up, up_s, x_even,
-                                           x_odd, act_even, act_odd)
+                                           x_odd, None, act_even, act_odd)
         else:
             kernels_fp4.gate_up_rows_nvfp4(lo, hi, experts, offsets, pair_token, gate, gate_s, gate_ts, up, up_s,
-                                           up_ts, x_even, x_odd, act_even, act_odd)
+                                           up_ts, x_even, x_odd, None, act_even, act_odd)
 
     whole = [np.full((3, (rows + 1) // 2), np.nan, np.float32) for _ in range(2)]
     run(0, num_items, *whole)

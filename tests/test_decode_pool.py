@@ -16,6 +16,7 @@ from handoff_support import play_gpu as play_gpu_within
 
 from cpu_experts.decode_pool import DecodePool, supports
 from cpu_experts.executor import AsyncExperts, CpuExpertsError
+from cpu_experts.expert_file import SWIGLU_OAI
 from cpu_experts.flag_worker import REQUEST, FlagWorker
 from cpu_experts.operator import CpuMoE
 from cpu_experts.packed import PackedLayer
@@ -25,14 +26,22 @@ play_gpu = functools.partial(play_gpu_within, timeout_s=30)  # a first call comp
 E, H, I, TOP_K = 8, 160, 200, 3  # noqa: E741 (the shape letters of the project); H: five 32-byte blocks, I: tails
 
 
-def make_ops(group: int, partitions: int, layers=(0, 2, 3), dtype: str = "int8") -> dict[int, CpuMoE]:
+def make_ops(group: int, partitions: int, layers=(0, 2, 3), dtype: str = "int8",
+             is_gpt_oss: bool = False) -> dict[int, CpuMoE]:
     """dtype "int8", "int4", "int4 bf16" (int4 with bfloat16 scales, as Kimi-K2's checkpoints store them), "fp8",
-    "mxfp4" or "nvfp4"."""
+    "mxfp4" or "nvfp4". `is_gpt_oss`: gpt-oss's activation with random biases, gate/up past its clamp."""
     ops = {}
     for layer in layers:
         gen = torch.Generator().manual_seed(layer)
-        ws = [torch.randn(shape, generator=gen) * 0.1 for shape in ((E, I, H), (E, I, H), (E, H, I))]
-        packed = PackedLayer.from_float(*ws, dtype.split()[0], group, partitions)
+        gain = 0.6 if is_gpt_oss else 0.1
+        ws = [torch.randn(shape, generator=gen) * g for shape, g in (((E, I, H), gain), ((E, I, H), gain),
+                                                                     ((E, H, I), 0.1))]
+        extra = {}
+        if is_gpt_oss:
+            extra = dict(activation=SWIGLU_OAI, biases=(torch.randn(E, I, generator=gen),
+                                                        torch.randn(E, I, generator=gen),
+                                                        torch.randn(E, H, generator=gen)))
+        packed = PackedLayer.from_float(*ws, dtype.split()[0], group, partitions, **extra)
         if dtype == "int4 bf16":
             packed = _bf16_scales(packed, group, partitions)
         op = CpuMoE(packed, prefill_min_tokens=8)
@@ -90,6 +99,32 @@ def test_steps_equal_the_operator(group, partitions, num_threads, dtype):
                 want = ops[layer](hidden * (layer + 1), ids, weights)
                 torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"step {step} layer {layer}")
             assert outputs[1][-1].abs().sum() > 0 and (num_tokens == 1 or not outputs[0][0].any())
+    finally:
+        pool.close()
+        executor.close()
+
+
+def test_gpt_oss_w8a8_layers_are_not_served():
+    assert not any(supports(op) for op in make_ops(0, 1, layers=(0,), is_gpt_oss=True).values())
+    assert not any(supports(op) for op in make_ops(32, 1, layers=(0,), dtype="int4", is_gpt_oss=True).values())
+
+
+@pytest.mark.parametrize("group,partitions,dtype", [(32, 1, "fp8"), (32, 3, "mxfp4"), (16, 3, "nvfp4")])
+def test_gpt_oss_steps_equal_the_operator(group, partitions, dtype):
+    """gpt-oss's layers (clamped activation, gate/up/down biases) served by the pool equal the operator's bit for
+    bit: the slot table's epilogue and the down bias over each thread's columns."""
+    ops = make_ops(group, partitions, dtype=dtype, is_gpt_oss=True)
+    pool, executor = make_pool(ops, 2)
+    try:
+        for step, num_tokens in enumerate([1, 5]):
+            hidden, ids, weights = inputs(num_tokens, step)
+            requests = [0, 2, 3]
+            pool.arm(num_tokens, len(requests))
+            outputs = play_gpu(pool.worker, requests, hidden, ids, weights)
+            pool.finish_step()
+            for layer, got in zip(requests, outputs, strict=True):
+                want = ops[layer](hidden * (layer + 1), ids, weights)
+                torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"step {step} layer {layer}")
     finally:
         pool.close()
         executor.close()

@@ -8,8 +8,10 @@
   the k. The experts are stored fused as transformers writes them: `gate_up_proj` [E, H, 2I] with gate and up
   interleaved along 2I, `down_proj` [E, I, H], each with a bias; the activation is
   `(clamp(up, -7, 7) + 1) * g * sigmoid(1.702 * g)`, g = `clamp(gate, max=7)`, whatever `hidden_act` says.
-  They run through the PyTorch reference on the engine's device (`expert_placement="device"`); the CPU operator
-  and the fused-MoE kernel do not compute this activation yet.
+  With `expert_placement="device"` they run through the PyTorch reference on the engine's device (the fused-MoE
+  kernel does not compute this activation yet); with the CPU operator (`expert_placement="cpu"`, or a converted
+  directory) through `CpuExperts`, whose expert files carry the activation (`SWIGLU_OAI`) and the biases, read
+  from the checkpoint by `hybrid.native_experts.read_gpt_oss_layer` (published MXFP4 as stored, bf16 quantized).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cpu_experts.expert_file import SWIGLU_OAI
+from cpu_experts.module import CpuExperts
 from hybrid.config import LayerSpec, ModelConfig, MoEConfig, RawConfig, common_fields, gqa_attention, parse_rope
 from hybrid.errors import ConfigError
 from hybrid.layers.backends import Backends, default_experts_factory, triton_experts_factory
@@ -27,8 +31,8 @@ from hybrid.layers.moe import Router
 from hybrid.models.base import MoECausalLM
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
-SWIGLU_ALPHA = 1.702
-SWIGLU_LIMIT = 7.0
+SWIGLU_ALPHA = SWIGLU_OAI.alpha
+SWIGLU_LIMIT = SWIGLU_OAI.limit
 DEFAULT_ROPE_THETA = 150000.0  # GptOssConfig.default_theta
 
 
@@ -88,10 +92,12 @@ class GptOssExperts(nn.Module):
 
 
 class GptOssMLP(nn.Module):
-    def __init__(self, hidden_size: int, moe: MoEConfig, ops):
+    """`experts`: the CPU operator's module, or None for the fused layout's PyTorch reference."""
+
+    def __init__(self, hidden_size: int, moe: MoEConfig, ops, experts: nn.Module | None = None):
         super().__init__()
         self.router = GptOssRouter(hidden_size, moe, ops)
-        self.experts = GptOssExperts(moe.num_experts, hidden_size, moe.intermediate_size)
+        self.experts = experts or GptOssExperts(moe.num_experts, hidden_size, moe.intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.router(x)
@@ -99,6 +105,10 @@ class GptOssMLP(nn.Module):
 
 
 class GptOssForCausalLM(MoECausalLM):
+    expert_activation = SWIGLU_OAI  # the CPU experts' (`hybrid.direct_experts`, `convert`)
+    has_expert_bias = True
+    is_cpu_experts = False  # set by `_make_ff` when the layers' experts are `CpuExperts`
+
     @classmethod
     def parse_config(cls, raw: RawConfig, checkpoint_dir=None) -> ModelConfig:
         # hidden_act names silu, but the experts use their own clamped activation (module docstring)
@@ -128,7 +138,19 @@ class GptOssForCausalLM(MoECausalLM):
         )
 
     def _make_ff(self, layer_idx: int, backends: Backends) -> nn.Module:
-        if backends.make_experts not in (default_experts_factory, triton_experts_factory):
-            raise ConfigError(f"{self.config.architecture}: routed experts run only with expert_placement=device "
-                              "(the CPU operator does not compute gpt-oss's clamped, biased activation yet)")
-        return GptOssMLP(self.config.hidden_size, self.config.moe, backends.ops)
+        if backends.make_experts in (default_experts_factory, triton_experts_factory):
+            return GptOssMLP(self.config.hidden_size, self.config.moe, backends.ops)
+        experts = backends.make_experts(layer_idx, self.config)
+        if not isinstance(experts, CpuExperts):
+            raise ConfigError(f"{self.config.architecture}: routed experts run on the CPU operator or all on the "
+                              "device; set gpu_experts=0 (--gpu-experts 0) or expert_placement=device")
+        self.is_cpu_experts = True
+        return GptOssMLP(self.config.hidden_size, self.config.moe, backends.ops, experts)
+
+    def fused_experts_prefix(self, layer: int) -> str:
+        """Where layer `layer`'s fused expert tensors live (`hybrid.direct_experts`)."""
+        return f"model.layers.{layer}.mlp.experts"
+
+    def is_ignored_tensor(self, name: str) -> bool:
+        # CPU experts: the expert tensors go to the operator (`hybrid.direct_experts`), not to parameters
+        return super().is_ignored_tensor(name) or (".mlp.experts." in name and self.is_cpu_experts)
