@@ -18,19 +18,19 @@ from hybrid.layers.moe import SparseMoE
 from hybrid.placement import ExpertPlacement
 from hybrid.routed_experts import RoutedExperts, cpu_experts_factory, device_experts_factory
 
-E, H, I, K = 6, 32, 48, 2
+E, H, INTER, K = 6, 32, 48, 2
 
 
 def config():
-    moe = types.SimpleNamespace(num_experts=E, intermediate_size=I, expert_proj_names=("gate_proj", "up_proj",
+    moe = types.SimpleNamespace(num_experts=E, intermediate_size=INTER, expert_proj_names=("gate_proj", "up_proj",
                                                                                         "down_proj"))
     return types.SimpleNamespace(moe=moe, hidden_size=H)
 
 
 def weights(seed=0):
     g = torch.Generator().manual_seed(seed)
-    gate, up = (torch.randn(E, I, H, generator=g) / 4 for _ in range(2))
-    return gate, up, torch.randn(E, H, I, generator=g) / 4
+    gate, up = (torch.randn(E, INTER, H, generator=g) / 4 for _ in range(2))
+    return gate, up, torch.randn(E, H, INTER, generator=g) / 4
 
 
 def routed(num_tokens=5, seed=1):
