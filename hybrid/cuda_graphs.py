@@ -32,6 +32,7 @@ from hybrid.block_manager import blocks_needed
 from hybrid.cpu_handoff import GraphHandoff, StepMode
 from hybrid.forward_batch import ForwardBatch, SequenceSlice
 from hybrid.layers.moe import SparseMoE
+from hybrid.routed_experts import RoutedExperts
 
 
 def graph_buckets(max_batch: int) -> list[int]:
@@ -67,9 +68,10 @@ class CudaGraphRunner:
             self.handoff = llm.cpu_handoff.graph = GraphHandoff(self.worker, self.device)
             self.pool = self._decode_pool(executor) if cfg.cpu_decode_pool else None
         self._armed = None  # who serves the step in flight: the pool or the worker
-        # CPU requests per step: one per MoE layer, two where the layer defers experts to the next one
-        self.num_requests = sum(1 + m.is_deferring for m in self.model.modules()
-                                if isinstance(m, SparseMoE) and getattr(m.experts, "has_cpu_part", False))
+        # CPU requests per step: one per layer with CPU experts, two where the layer defers experts to the next one
+        modules = list(self.model.modules())
+        self.num_requests = (sum(isinstance(m, RoutedExperts) and m.has_cpu_part for m in modules)
+                             + sum(isinstance(m, SparseMoE) and m.is_deferring for m in modules))
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.num_replays = 0

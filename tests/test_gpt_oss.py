@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+import types
 
 import pytest
 import torch
@@ -36,7 +37,6 @@ LAYER_TYPES = ["sliding_attention", "full_attention", "full_attention", "sliding
 WINDOW = 5
 GATE_UP_GAIN = 4.0  # puts a good share of gate/up values past the clamp at 7
 # bf16-rounded activations into every expert matmul (the float formats' contract) against float32 ones, five layers
-MXFP4_LOGIT_TOL = 2e-2
 
 
 def gpt_oss_config(**overrides) -> transformers.GptOssConfig:
@@ -185,7 +185,7 @@ def test_cpu_experts_from_bf16_match_transformers(tmp_path):
     ref = _requantized(make_gpt_oss(tmp_path), lambda w: formats.quantize_int8(w),
                        lambda q, s, _cols: formats.dequantize_int8(q, s))
     llm = LLM(tmp_path, dtype="float32", expert_placement="cpu", expert_dtype="int8", expert_activations="float")
-    assert all(isinstance(layer.mlp.experts, CpuExperts) for layer in llm.model.model.layers)
+    assert all(isinstance(layer.mlp.experts.cpu_experts, CpuExperts) for layer in llm.model.model.layers)
     for length in PREFILL_LENGTHS:
         ids = prompt(length, seed=300 + length)
         assert_logits_close(llm.prefill_logits(ids), hf_logits(ref, ids), f"gpt-oss cpu int8 prefill of {length}")
@@ -213,21 +213,41 @@ def _write_mxfp4(path, ref) -> None:
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
 
 
-@pytest.mark.xfail(reason="open: the 33-token prefill differs by ~28% of max |logit| (1 and 7 tokens pass); not yet "
-                          "explained", strict=False)
+def _bf16_matmul_inputs(ref) -> None:
+    """The float formats' contract in transformers' model: each expert matmul's input rounded to bf16 (the layer's
+    input and the activation), the rest of transformers' forward as it is. Against plain float32 the rounding alone
+    flips near-tied router choices a few layers on (33 tokens: 28% of max |logit|), so the float reference cannot
+    tell a kernel error from that; this one leaves only summation order."""
+
+    def forward(self, hidden_states, router_indices=None, routing_weights=None):
+        x, out = hidden_states.bfloat16().float(), torch.zeros_like(hidden_states)
+        for e in router_indices.unique().tolist():
+            tokens = torch.where((router_indices == e).any(-1))[0]
+            gate_up = x[tokens] @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]
+            act = GptOssExperts.activation(gate_up).bfloat16().float()
+            weight = (routing_weights * (router_indices == e)).sum(-1)[tokens, None]
+            out[tokens] += (act @ self.down_proj[e] + self.down_proj_bias[e]) * weight
+        return out
+
+    for layer in ref.model.layers:
+        layer.mlp.experts.forward = types.MethodType(forward, layer.mlp.experts)
+
+
 def test_cpu_experts_from_published_mxfp4_match_transformers(tmp_path):
     """A checkpoint with the published MXFP4 experts, served as stored by the CPU operator: against transformers'
-    forward on the dequantized weights, within the float formats' contract (bf16 activations into each matmul)."""
+    forward on the dequantized weights with the float formats' bf16 matmul inputs (`_bf16_matmul_inputs`), within
+    1e-4 of max |logit|; 32 greedy tokens equal."""
     ref = make_gpt_oss(tmp_path)
     _write_mxfp4(tmp_path, ref)
     ref = _requantized(ref, formats.quantize_mxfp4, formats.dequantize_mxfp4)
+    _bf16_matmul_inputs(ref)
     llm = LLM(tmp_path, dtype="float32", expert_placement="cpu")
-    assert llm.model.model.layers[0].mlp.experts.op.spec.dtype == "mxfp4"
+    assert llm.model.model.layers[0].mlp.experts.cpu_experts.op.spec.dtype == "mxfp4"
     for length in PREFILL_LENGTHS:
         ids = prompt(length, seed=300 + length)
-        got, want = llm.prefill_logits(ids), hf_logits(ref, ids)
-        err = float((got.float() - want.float()).abs().max())
-        assert err <= MXFP4_LOGIT_TOL * float(want.abs().max()), (length, err)
+        assert_logits_close(llm.prefill_logits(ids), hf_logits(ref, ids), f"mxfp4 prefill {length}")
+    assert_same_tokens(llm.generate(GEN_PROMPT, NEW_TOKENS, ignore_eos=True), hf_generate(ref, GEN_PROMPT, NEW_TOKENS),
+                       None, "gpt-oss mxfp4 greedy")
 
 
 def test_device_experts_refuse_gpu_expert_split(tmp_path):

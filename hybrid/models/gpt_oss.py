@@ -23,7 +23,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from cpu_experts.expert_file import SWIGLU_OAI
-from cpu_experts.module import CpuExperts
 from hybrid.config import LayerSpec, ModelConfig, MoEConfig, RawConfig, common_fields, gqa_attention, parse_rope
 from hybrid.errors import ConfigError
 from hybrid.layers.backends import Backends, default_experts_factory, triton_experts_factory
@@ -92,7 +91,8 @@ class GptOssExperts(nn.Module):
 
 
 class GptOssMLP(nn.Module):
-    """`experts`: the CPU operator's module, or None for the fused layout's PyTorch reference."""
+    """`experts`: the layer's `RoutedExperts`, all on the CPU operator (reached through the model's CPU hand-off),
+    or None for the fused layout's PyTorch reference."""
 
     def __init__(self, hidden_size: int, moe: MoEConfig, ops, experts: nn.Module | None = None):
         super().__init__()
@@ -141,7 +141,7 @@ class GptOssForCausalLM(MoECausalLM):
         if backends.make_experts in (default_experts_factory, triton_experts_factory):
             return GptOssMLP(self.config.hidden_size, self.config.moe, backends.ops)
         experts = backends.make_experts(layer_idx, self.config)
-        if not isinstance(experts, CpuExperts):
+        if not experts.has_cpu_part or experts.gpu_expert_ids:
             raise ConfigError(f"{self.config.architecture}: routed experts run on the CPU operator or all on the "
                               "device; set gpu_experts=0 (--gpu-experts 0) or expert_placement=device")
         self.is_cpu_experts = True
