@@ -19,6 +19,7 @@ import copy
 import json
 import math
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -90,6 +91,23 @@ SHAPES: dict[str, dict] = {
         add_full_attention_sink_bias=False, add_swa_attention_sink_bias=True, attention_value_scale=0.707,
         partial_rotary_factor=0.334, rope_theta=5e6, swa_rope_theta=1e4, layernorm_epsilon=1e-5,
         max_position_embeddings=262144, attention_bias=False, tie_word_embeddings=False, hidden_act="silu"),
+    # gpt-oss: MoE in every layer, sliding (128) and full attention alternating, sinks, q/k/v/o biases, YaRN
+    "gpt-oss-120b": dict(
+        architectures=["GptOssForCausalLM"], model_type="gpt_oss", vocab_size=201088, hidden_size=2880,
+        intermediate_size=2880, num_local_experts=128, num_experts_per_tok=4, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=64, sliding_window=128, attention_bias=True, rms_norm_eps=1e-5,
+        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(36)],
+        max_position_embeddings=131072, rope_theta=150000.0, tie_word_embeddings=False, hidden_act="silu",
+        swiglu_limit=7.0, rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0,
+                                            truncate=False, original_max_position_embeddings=4096)),
+    "gpt-oss-20b": dict(
+        architectures=["GptOssForCausalLM"], model_type="gpt_oss", vocab_size=201088, hidden_size=2880,
+        intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=64, sliding_window=128, attention_bias=True, rms_norm_eps=1e-5,
+        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(24)],
+        max_position_embeddings=131072, rope_theta=150000.0, tie_word_embeddings=False, hidden_act="silu",
+        swiglu_limit=7.0, rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0,
+                                            truncate=False, original_max_position_embeddings=4096)),
 }
 # Per-layer lists of the released configs, cut to the layer count; the MLP ones with their (dense, MoE) entries
 LAYER_LISTS = ("layer_types", "hybrid_layer_pattern")
@@ -162,11 +180,17 @@ def write_synthetic_converted(path: str | Path, shape: str, num_layers: int, exp
     model = _write_config(path, shape, num_layers)
     config = model.config
     moe_layers = config.moe_layer_indices
-    routed = {model.routed_expert_name(layer, e, role) for layer in moe_layers
-              for e in range(config.moe.num_experts) for role in ROLES}
+    if hasattr(model, "fused_experts_prefix"):  # gpt-oss: one fused tensor per projection and bias
+        routed = {f"{model.fused_experts_prefix(layer)}.{name}" for layer in moe_layers
+                  for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")}
+    else:
+        routed = {model.routed_expert_name(layer, e, role) for layer in moe_layers
+                  for e in range(config.moe.num_experts) for role in ROLES}
     pool = _pool(seed)
     total = _write_weights(path, model, pool, skip=routed, rename=lambda name: name)
     spec = _synthetic_spec(config, expert_dtype, group_size)
+    if hasattr(model, "expert_activation"):  # the model's own expert epilogue (gpt-oss: clamped, biased)
+        spec = replace(spec, activation=model.expert_activation, has_bias=model.has_expert_bias)
     group_size = spec.group_size
     rel = "experts/shared.safetensors"
     (path / "experts").mkdir(exist_ok=True)
@@ -176,7 +200,9 @@ def write_synthetic_converted(path: str | Path, shape: str, num_layers: int, exp
     scales = _synthetic_scales(expert_dtype, codes)
     for offset, (name, (shape_, dtype)) in enumerate(spec.tensor_shapes().items()):
         kind = name.split(".", 1)[1]
-        if kind in scales:
+        if kind == "bias":
+            writer.write(name, torch.zeros(shape_, dtype=dtype))
+        elif kind in scales:
             writer.write(name, torch.full(shape_, scales[kind]).to(dtype) if dtype != torch.uint8
                          else torch.full(shape_, scales[kind], dtype=dtype))
         elif dtype == torch.bfloat16:

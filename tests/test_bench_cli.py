@@ -19,9 +19,10 @@ from hybrid.synthetic import SHAPES, shape_config, write_synthetic_checkpoint
 # - minimax-m2: MiniMax-M2's model card: 230 billion total / 10 billion active parameters.
 # - glm-4.7-flash: GLM-4.7-Flash's model card: "a 30B-A3B MoE model" (30 billion total, 3 billion active).
 # - mimo-v2-flash: MiMo-V2-Flash's model card: 309 billion total / 15 billion active parameters.
+# - gpt-oss-120b / gpt-oss-20b: the gpt-oss model card: 116.8 and 20.9 billion total parameters.
 RELEASED = {"qwen3-30b-a3b": (48, 30.5), "qwen3-235b-a22b": (94, 235.1), "deepseek-v3": (61, 671.0),
             "kimi-k2.5": (61, 1040.0), "minimax-m2": (62, 230.0), "glm-4.7-flash": (47, 30.0),
-            "mimo-v2-flash": (48, 309.0)}
+            "mimo-v2-flash": (48, 309.0), "gpt-oss-120b": (36, 116.8), "gpt-oss-20b": (24, 20.9)}
 
 
 def test_usage_lists_the_benchmarks(capsys):
@@ -159,3 +160,21 @@ def test_read_bandwidth_by_pinned_threads_and_by_openmp():
     for cpus in ((0, 0, 0), None):  # three threads sharing a CPU: each share timed to the last one's end
         rate = ReadBandwidth(3 << 20, cpus)()
         assert 1e8 < rate < 1e13
+
+
+def test_synthetic_gpt_oss_without_a_source(tmp_path, monkeypatch):
+    """gpt-oss's converted directory: its fused expert tensors are not written as dense weights, and the expert file
+    carries the model's activation and biases, in the published MXFP4 format."""
+    from hybrid import LLM
+    from hybrid.synthetic import write_synthetic_converted
+
+    small = dict(SHAPES["gpt-oss-20b"], vocab_size=512, hidden_size=64, intermediate_size=64, num_local_experts=8,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    monkeypatch.setitem(SHAPES, "tiny", small)
+    assert write_synthetic_converted(tmp_path, "tiny", num_layers=2, expert_dtype="mxfp4") > 0
+    llm = LLM(tmp_path, dtype="float32")
+    spec = llm.model.model.layers[0].mlp.experts.cpu_experts.op.spec
+    assert spec.dtype == "mxfp4" and spec.activation.kind == "swiglu_oai" and spec.has_bias
+    logits = llm.prefill_logits([5, 6, 7])
+    assert logits.shape == (3, 512) and torch.isfinite(logits).all()
+    llm.close()
