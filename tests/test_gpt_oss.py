@@ -112,7 +112,7 @@ def _paged_case(num_tokens: int, num_heads: int = 4, num_kv_heads: int = 2, head
     q, k, v = (torch.randn(num_tokens, h, head_dim, generator=gen) for h in (num_heads, num_kv_heads, num_kv_heads))
     num_blocks = -(-num_tokens // block)
     caches = tuple(torch.zeros(num_blocks, block, num_kv_heads, head_dim) for _ in range(2))
-    batch = ForwardBatch.build([SequenceSlice(0, num_tokens, list(range(num_blocks)))], block, "cpu")
+    batch = ForwardBatch.build([SequenceSlice(0, num_tokens, [list(range(num_blocks))])], block, "cpu")
     sinks = torch.randn(num_heads, generator=gen) * 2
     return q, k, v, caches, batch, sinks
 

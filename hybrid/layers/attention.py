@@ -1,6 +1,6 @@
 """Grouped-query attention (Qwen, Mixtral, GLM, MiniMax, gpt-oss): optional q/k/v bias, QK RMSNorm per head or over
 the whole projection (`AttentionConfig.qk_norm`), partial rotary, sliding window, attention sinks. The paged KV
-cache is bound by the runner (`kv_cache`), the math lives in the backend."""
+cache is bound by the runner (`kv_cache`, `cache_group`), the math lives in the backend."""
 
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ class GQAAttention(nn.Module):
         self.rotary = rotary
         self.backend = backend
         self.kv_cache: tuple[torch.Tensor, ...] = ()
+        self.cache_group = 0  # which cache group's pages hold this layer's KV (bound with the cache)
 
     def kv_cache_shapes(self) -> tuple[tuple[int, int], ...]:
         """Per-slot shapes of this layer's cache tensors: K and V as [kv_heads, head_dim]."""
@@ -49,5 +50,6 @@ class GQAAttention(nn.Module):
         q, k = self.rotary(batch.positions, q, k)
         # the kernels take float32 sinks; a bf16 checkpoint's values widen exactly
         sinks = self.sinks.float() if cfg.has_sinks else None
-        out = self.backend.gqa(q, k, v, self.kv_cache, batch, cfg.scale, cfg.sliding_window, sinks)
+        out = self.backend.gqa(q, k, v, self.kv_cache, batch.for_group(self.cache_group), cfg.scale,
+                               cfg.sliding_window, sinks)
         return self.o_proj(out.reshape(num_tokens, cfg.num_heads * cfg.head_dim))
