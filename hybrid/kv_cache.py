@@ -45,6 +45,8 @@ def allocate_kv_cache(attention_layers, groups: Sequence[CacheGroup], block_size
                  len(group.layer_indices), window, group.page_shapes, group.num_blocks * block_size,
                  group.num_blocks, block_size, page_bytes(group, block_size, dtype) * group.num_blocks / 2**30)
     num_bytes = sum(t.numel() * t.element_size() for parts in caches for t in parts)
-    log.info("KV cache: %d groups, %.2f GiB on %s, allocated in %.2f s", len(groups), num_bytes / 2**30, device,
-             time.perf_counter() - start)
+    # tokens: the context the largest pool holds (a full group's, where there is one)
+    log.info("KV cache: %d tokens (%d groups, %d pages of %d), %.2f GiB on %s, allocated in %.2f s",
+             max(g.num_blocks for g in groups) * block_size, len(groups), sum(g.num_blocks for g in groups),
+             block_size, num_bytes / 2**30, device, time.perf_counter() - start)
     return caches
