@@ -297,3 +297,40 @@ def test_llm_and_engine_share_one_allocator_and_one_step_path(gpt_oss_path, monk
     engine.generate([PROMPTS[2]], max_tokens=3, ignore_eos=True)
     assert set(calls) == {llm.runner, "prepare"} and calls.count("prepare") == calls.count(llm.runner)
     assert llm.blocks.num_free == llm.blocks.num_blocks
+
+
+@pytest.mark.parametrize("query_len", [1, 4])
+def test_kernels_never_read_pages_before_the_window(query_len):
+    """The Triton kernels (decode and prefill; the interpreter without a GPU) given a table whose pages before the
+    first query's window point at a page of NaN, as a released windowed page's entry may: the output of the
+    intact table, the reference's too. Pages of 4 under key tiles of 16 put released pages inside the first tile."""
+    import torch
+    from gpu_support import DEVICE
+
+    from gpu_layers import attention, reference
+
+    gen = torch.Generator().manual_seed(3)
+    seq_len, heads, kv_heads, dim, window = 40, 4, 2, 64, 12
+    num_pages = blocks_needed(seq_len, BLOCK)
+    k_cache, v_cache = (torch.randn(num_pages + 1, BLOCK, kv_heads, dim, generator=gen) for _ in range(2))
+    k_cache[num_pages], v_cache[num_pages] = float("nan"), float("nan")
+    q = torch.randn(query_len, heads, dim, generator=gen)
+    intact = torch.arange(num_pages, dtype=torch.int32)[None]
+    released = intact.clone()
+    first_needed = (seq_len - query_len - window + 1) // BLOCK
+    released[0, :first_needed] = num_pages  # what the block manager gives back, pointing at the NaN page
+    args = dict(seq_lens=torch.tensor([seq_len], dtype=torch.int32), scale=dim ** -0.5, sliding_window=window)
+
+    def run(table):
+        on = {k: (v.to(DEVICE) if torch.is_tensor(v) else v) for k, v in args.items()}
+        cache = (q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), table.to(DEVICE))
+        if query_len == 1:
+            return attention.paged_decode_attention(*cache, **on).cpu()
+        starts = torch.tensor([0, query_len], dtype=torch.int32, device=DEVICE)
+        return attention.paged_prefill_attention(*cache[:4], on["seq_lens"], starts, query_len, on["scale"],
+                                                 window).cpu()
+
+    want = reference.paged_attention(q, k_cache, v_cache, intact, [seq_len], [query_len], dim ** -0.5, window)
+    got = reference.paged_attention(q, k_cache, v_cache, released, [seq_len], [query_len], dim ** -0.5, window)
+    assert torch.equal(got, want)
+    assert torch.allclose(run(released), want, atol=1e-4, rtol=0) and not run(released).isnan().any()
