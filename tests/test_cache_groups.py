@@ -334,3 +334,30 @@ def test_kernels_never_read_pages_before_the_window(query_len):
     got = reference.paged_attention(q, k_cache, v_cache, released, [seq_len], [query_len], dim ** -0.5, window)
     assert torch.equal(got, want)
     assert torch.allclose(run(released), want, atol=1e-4, rtol=0) and not run(released).isnan().any()
+
+
+@pytest.mark.skipif("not __import__('torch').cuda.is_available()", reason="CUDA graphs need a GPU")
+def test_gpt_oss_graph_engine_matches_eager_with_window_groups(tmp_path):
+    """On CUDA with the Triton kernels (head dim 64, pages of 16, window 20): decode graphs read each cache
+    group's static tables; the graph engine generates what the eager engine does, released pages poisoned."""
+    from test_gpt_oss import make_gpt_oss
+
+    from hybrid import LLM
+    from hybrid.engine import Engine
+
+    make_gpt_oss(tmp_path, sliding_window=20, head_dim=64)
+    prompts = [prompt(n, seed=60 + n) for n in (5, 19, 23, 40)]
+    outputs = {}
+    for is_graph in (False, True):
+        llm = LLM(tmp_path, device="cuda", dtype="float32", kernels="triton", expert_placement="device",
+                  cuda_graph=is_graph, enable_prefix_caching=False, max_model_len=128)
+        assert llm.backends.attention.name == "triton" and len(llm.blocks.groups) == 2
+        engine = Engine(llm, max_num_batched_tokens=16, max_num_seqs=4)
+        ids = [engine.add_request(p, max_tokens=24, ignore_eos=True) for p in prompts]
+        while engine.has_work():
+            engine.step()
+            poison_free_windowed_pages(llm)
+        outputs[is_graph] = [engine.requests[i].output_ids for i in ids]
+        assert (engine.graph_runner is not None and engine.graph_runner.num_replays > 0) == is_graph
+        engine.close()
+    assert outputs[True] == outputs[False]
