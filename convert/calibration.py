@@ -16,6 +16,7 @@ from torch import nn
 
 from convert.plan import TOKENIZER_FILES, Plan, has_tokenizer
 from hybrid.block_manager import blocks_needed
+from hybrid.cache_groups import CacheGroup
 from hybrid.errors import ConfigError
 from hybrid.forward_batch import ForwardBatch, SequenceSlice
 from hybrid.kv_cache import allocate_kv_cache
@@ -70,7 +71,7 @@ class Calibrator:
         seqs, first = [], 0
         for length in self.lengths:
             num_blocks = blocks_needed(length, BLOCK_SIZE)
-            seqs.append(SequenceSlice(0, length, list(range(first, first + num_blocks))))
+            seqs.append(SequenceSlice(0, length, [list(range(first, first + num_blocks))]))
             first += num_blocks
         self.num_blocks = first
         return ForwardBatch.build(seqs, BLOCK_SIZE, "cpu")
@@ -88,7 +89,8 @@ class Calibrator:
                 if hasattr(module, "reset_buffers"):
                     module.reset_buffers()
             batch = self._batch()
-            allocate_kv_cache([layer.self_attn], self.num_blocks, BLOCK_SIZE, torch.float32, "cpu")
+            group = CacheGroup((0,), tuple(layer.self_attn.kv_cache_shapes()), None, self.num_blocks)
+            allocate_kv_cache([layer.self_attn], [group], BLOCK_SIZE, torch.float32, "cpu")
             sums, hooks = {}, []
             for module_name, module in layer.named_modules(prefix=prefix.rstrip(".")):
                 if isinstance(module, nn.Linear) and f"{module_name}.weight" in self.targets:

@@ -202,15 +202,16 @@ def paged_decode_reduce_kernel(
 
 
 @triton.jit
-def _prefill_keys(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_row, kv_head, lo, hi, pos, lower,
+def _prefill_keys(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_row, kv_head, lo, hi, floor, pos, lower,
                   scale_log2, page_shift, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                   QK_DIM: tl.constexpr, QK_PAD: tl.constexpr, V_DIM: tl.constexpr, V_PAD: tl.constexpr,
                   BLOCK_N: tl.constexpr, IS_MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Keys [lo, hi) in BLOCK_N tiles. IS_MASKED applies the causal/window mask per (row, key); the unmasked
-    loop covers keys that every row of the tile sees, and skips that work."""
+    loop covers keys that every row of the tile sees, and skips that work. Keys below `floor` (before every row's
+    window) are not loaded: their pages may have gone back to the pool (`hybrid.block_manager.NULL_PAGE`)."""
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < hi
+        n_mask = (offs_n < hi) & (offs_n >= floor)
         k = _load_kv_tile(k_cache_ptr, block_table_row, offs_n, n_mask, kv_head, page_shift,
                           stride_kp, stride_ks, stride_kh, QK_DIM, QK_PAD)
         v = _load_kv_tile(v_cache_ptr, block_table_row, offs_n, n_mask, kv_head, page_shift,
@@ -262,9 +263,11 @@ def paged_prefill_kernel(
     first_pos = seq_len - q_len + first_token
     hi = seq_len - q_len + tl.minimum(first_token + tokens_per_tile, q_len)
     lo = 0
+    floor = 0
     mid = (first_pos + 1) // BLOCK_N * BLOCK_N
     if sliding_window > 0:
-        lo = tl.maximum(first_pos - sliding_window + 1, 0) // BLOCK_N * BLOCK_N
+        floor = tl.maximum(first_pos - sliding_window + 1, 0)
+        lo = floor // BLOCK_N * BLOCK_N
         mid = lo
 
     acc = tl.zeros([BLOCK_M, V_PAD], dtype=tl.float32)
@@ -275,11 +278,11 @@ def paged_prefill_kernel(
         l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
     block_table_row = block_tables_ptr + seq * stride_bt
     acc, m_i, l_i = _prefill_keys(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_row, kv_head, lo, mid,
-                                  pos, lower, scale_log2, page_shift, stride_kp, stride_ks, stride_kh,
+                                  floor, pos, lower, scale_log2, page_shift, stride_kp, stride_ks, stride_kh,
                                   stride_vp, stride_vs, stride_vh, QK_DIM, QK_PAD, V_DIM, V_PAD, BLOCK_N, False,
                                   DOT_PRECISION)
     acc, m_i, l_i = _prefill_keys(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_row, kv_head, mid, hi,
-                                  pos, lower, scale_log2, page_shift, stride_kp, stride_ks, stride_kh,
+                                  floor, pos, lower, scale_log2, page_shift, stride_kp, stride_ks, stride_kh,
                                   stride_vp, stride_vs, stride_vh, QK_DIM, QK_PAD, V_DIM, V_PAD, BLOCK_N, True,
                                   DOT_PRECISION)
 

@@ -55,12 +55,13 @@ def write_kv_cache(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torc
     flat.index_copy_(0, slot_mapping, values.to(cache.dtype))
 
 
-def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """A sequence's first seq_len cached entries [seq_len, heads, dim], in position order."""
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, first_page: int = 0) -> torch.Tensor:
+    """A sequence's cached entries from page `first_page` up to position seq_len [seq_len - first, heads, dim], in
+    position order."""
     block_size = cache.shape[1]
     num_blocks = -(-seq_len // block_size)
-    pages = cache[block_table[:num_blocks].long()]  # [num_blocks, block_size, heads, dim]
-    return pages.reshape(-1, *cache.shape[2:])[:seq_len]
+    pages = cache[block_table[first_page:num_blocks].long()]  # [num_blocks - first_page, block_size, heads, dim]
+    return pages.reshape(-1, *cache.shape[2:])[:seq_len - first_page * block_size]
 
 
 def causal_attention(
@@ -103,12 +104,16 @@ def paged_attention(
     value_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of each sequence's new tokens q [T, Hq, D] over its cached context -> [T, Hq, Dv]. `sinks` as in
-    causal_attention; `value_scale` multiplies V (MiMo's v_scale, applied before caching there)."""
+    causal_attention; `value_scale` multiplies V (MiMo's v_scale, applied before caching there). With a window,
+    pages before the first query's window are not read: a running sequence may have given them back."""
     out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
+    block_size = k_cache.shape[1]
     start = 0
     for b, (seq_len, query_len) in enumerate(zip(seq_lens, query_lens, strict=True)):
-        k = gather_context(k_cache, block_tables[b], seq_len)
-        v = gather_context(v_cache, block_tables[b], seq_len) * value_scale
+        # the keys stay the last ones of the context, so causal_attention's relative window mask still holds
+        first_page = max(0, seq_len - query_len - sliding_window + 1) // block_size if sliding_window else 0
+        k = gather_context(k_cache, block_tables[b], seq_len, first_page)
+        v = gather_context(v_cache, block_tables[b], seq_len, first_page) * value_scale
         end = start + query_len
         out[start:end] = causal_attention(q[start:end], k, v, scale, sliding_window, sinks)
         start = end

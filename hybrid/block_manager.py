@@ -1,8 +1,15 @@
 """Paged KV-cache bookkeeping: which pages are free, and which hold a cached prefix. Pure Python, no torch, so it
-is cheap to test and to reason about; the engine turns page lists into block tables (see `ForwardBatch`).
+is cheap to test and to reason about; the model runner turns page lists into block tables (see `ForwardBatch`).
 
-One `PrefixCachingBlockManager` per model owns every page of its KV cache (`LLM.blocks`): the engine's scheduler
-and `LLM.prefill_logits` both take pages from it, so a page is never handed to two users at once."""
+The KV cache is split into cache groups (`CacheGroup`: attention layers with one page shape and one window kind,
+as vLLM's hybrid allocator groups them); each group has its own pool of pages and its own
+`PrefixCachingBlockManager`. `CacheGroupBlocks` (one per model, `LLM.blocks`) holds them all and works on a
+sequence's block tables, one per group: the engine's scheduler and `LLM.prefill_logits` both take pages from it,
+so a page is never handed to two users at once.
+
+A sliding-window group keeps a sequence's table aligned with its positions, but pages that fall entirely before
+the window are given back while the sequence runs (`release_out_of_window`); their entries become `NULL_PAGE`,
+which the runner writes as page 0: the attention kernels and the reference never read a key before the window."""
 
 from __future__ import annotations
 
@@ -10,9 +17,13 @@ import hashlib
 from array import array
 from collections.abc import Sequence
 
+from hybrid.cache_groups import CacheGroup
+
 # The chain's root: the key of "no page before this one". A page's key covers its parent's key, so equal keys mean
 # equal tokens from position 0 on.
 ROOT_KEY = b""
+# A windowed group's table entry whose page went back to the pool: never read, never written.
+NULL_PAGE = -1
 
 
 class OutOfBlocks(RuntimeError):
@@ -61,6 +72,16 @@ class PrefixCachingBlockManager:
         for page in range(len(keys), num_tokens // size):
             keys.append(page_key(keys[-1] if keys else ROOT_KEY, token_ids[page * size:(page + 1) * size]))
 
+    def cached_page(self, key: bytes) -> int | None:
+        """The page holding the full page of this key, if cached (not referenced: see `acquire`)."""
+        return self._page_of.get(key) if self.enable_prefix_caching else None
+
+    def acquire(self, pages: Sequence[int]) -> None:
+        """References cached pages for a new user (taking them off the free list if nobody held them)."""
+        for page in pages:
+            self._refs[page] += 1
+            self._free.pop(page, None)
+
     def match_prefix(self, keys: Sequence[bytes]) -> list[int]:
         """Cached pages holding the leading pages whose keys are `keys`, referenced for the caller (the longest run
         of hits from the first page on)."""
@@ -72,9 +93,7 @@ class PrefixCachingBlockManager:
             if page is None:
                 break
             pages.append(page)
-        for page in pages:
-            self._refs[page] += 1
-            self._free.pop(page, None)
+        self.acquire(pages)
         return pages
 
     def allocate(self, count: int) -> list[int]:
@@ -97,11 +116,131 @@ class PrefixCachingBlockManager:
         if not self.enable_prefix_caching:
             return
         for page, key in zip(pages, keys, strict=True):
-            if page not in self._key_of and key not in self._page_of:
+            if page != NULL_PAGE and page not in self._key_of and key not in self._page_of:
                 self._key_of[page], self._page_of[key] = key, page
 
     def free(self, pages: list[int]) -> None:
         for page in reversed(pages):
+            if page == NULL_PAGE:
+                continue
             self._refs[page] -= 1
             if self._refs[page] == 0:
                 self._free[page] = None
+
+
+class CacheGroupBlocks:
+    """One `PrefixCachingBlockManager` per cache group (`hybrid.cache_groups`), worked on together: a sequence
+    holds one block table per group (`new_tables`), and reserving, prefix matching, publishing and freeing cover
+    every group. Windowed groups give back the pages before a running sequence's window
+    (`release_out_of_window`) and may lose published pages later, so a prefix hit of P tokens needs every full
+    group's pages for all P and each windowed group's pages only for the window before P (vLLM's sliding-window
+    manager semantics). With one full group this costs what one manager does."""
+
+    def __init__(self, groups: Sequence[CacheGroup], block_size: int, enable_prefix_caching: bool = True):
+        if not groups:
+            raise ValueError("a KV cache needs at least one cache group")
+        self.groups = tuple(groups)
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.allocators = tuple(PrefixCachingBlockManager(g.num_blocks, block_size, enable_prefix_caching)
+                                for g in self.groups)
+        self.has_windows = any(g.is_windowed for g in self.groups)
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(a.num_blocks for a in self.allocators)
+
+    @property
+    def num_free(self) -> int:
+        return sum(a.num_free for a in self.allocators)
+
+    def num_used(self, group: int) -> int:
+        allocator = self.allocators[group]
+        return allocator.num_blocks - allocator.num_free
+
+    def new_tables(self) -> list[list[int]]:
+        return [[] for _ in self.groups]
+
+    def extend_keys(self, keys: list[bytes], token_ids: Sequence[int], num_tokens: int) -> None:
+        self.allocators[0].extend_keys(keys, token_ids, num_tokens)  # one page size, one chain: the same keys
+
+    def too_large(self, num_tokens: int) -> str | None:
+        """Why a sequence of `num_tokens` tokens can never run (a group's pool is too small for it), or None."""
+        needed = blocks_needed(num_tokens, self.block_size)
+        for index, (group, allocator) in enumerate(zip(self.groups, self.allocators, strict=True)):
+            least = min(needed, group.min_blocks_per_seq(self.block_size)) if group.is_windowed else needed
+            if least > allocator.num_blocks:
+                return f"needs {least} KV pages in cache group {index}, which has {allocator.num_blocks}"
+        return None
+
+    def match_prefix(self, keys: Sequence[bytes]) -> tuple[int, list[list[int]]]:
+        """(P, tables): the longest run of the leading pages `keys` that every group holds (its window's share in a
+        windowed group), referenced for the caller; tables hold those pages, `NULL_PAGE` before a window."""
+        tables = self.new_tables()
+        if not self.enable_prefix_caching or not keys:
+            return 0, tables
+        num_pages = len(keys)
+        for group, allocator in zip(self.groups, self.allocators, strict=True):
+            if not group.is_windowed:
+                run = 0
+                while run < num_pages and allocator.cached_page(keys[run]) is not None:
+                    run += 1
+                num_pages = run
+        while num_pages > 0 and not all(self._holds_window(g, keys, num_pages) for g in range(len(self.groups))
+                                        if self.groups[g].is_windowed):
+            num_pages -= 1
+        for group, allocator, table in zip(self.groups, self.allocators, tables, strict=True):
+            first = group.first_needed_page(num_pages * self.block_size, self.block_size)
+            pages = [allocator.cached_page(key) for key in keys[first:num_pages]]
+            allocator.acquire(pages)
+            table += [NULL_PAGE] * first + pages
+        return num_pages, tables
+
+    def _holds_window(self, group: int, keys: Sequence[bytes], num_pages: int) -> bool:
+        first = self.groups[group].first_needed_page(num_pages * self.block_size, self.block_size)
+        allocator = self.allocators[group]
+        return all(allocator.cached_page(key) is not None for key in keys[first:num_pages])
+
+    def fit(self, tables: Sequence[list[int]], num_computed: int, num_new: int) -> int:
+        """How many of the next `num_new` tokens can get pages now: 0 unless every full group has room for all of
+        them; a windowed group may shrink the chunk to its free pages (the chunk still starts at num_computed)."""
+        granted = num_new
+        for group, allocator, table in zip(self.groups, self.allocators, tables, strict=True):
+            room = (len(table) + allocator.num_free) * self.block_size - num_computed
+            if group.is_windowed:
+                granted = min(granted, room)
+            elif room < num_new:
+                return 0
+        return max(granted, 0)
+
+    def allocate(self, tables: Sequence[list[int]], num_tokens: int) -> None:
+        """Extends every table to cover the first `num_tokens` positions (call `fit` first: raises OutOfBlocks)."""
+        needed = blocks_needed(num_tokens, self.block_size)
+        for allocator, table in zip(self.allocators, tables, strict=True):
+            if needed > len(table):
+                table += allocator.allocate(needed - len(table))
+
+    def release_out_of_window(self, tables: Sequence[list[int]], num_computed: int) -> None:
+        """Gives back each windowed table's pages that the next token (at `num_computed`) can no longer see; the
+        chunk's first token is the earliest one, so every later one of the step sees at most as far back."""
+        if not self.has_windows:
+            return
+        for group, allocator, table in zip(self.groups, self.allocators, tables, strict=True):
+            end = min(group.first_needed_page(num_computed, self.block_size), len(table))
+            released = []
+            page = end - 1
+            while page >= 0 and table[page] != NULL_PAGE:  # released entries are a prefix: stop at the first one
+                released.append(table[page])
+                table[page] = NULL_PAGE
+                page -= 1
+            allocator.free(released)
+
+    def cache_pages(self, tables: Sequence[list[int]], start: int, end: int, keys: Sequence[bytes]) -> None:
+        """Publishes pages start..end-1 of every table (their KV is now complete) under `keys[start:end]`."""
+        for allocator, table in zip(self.allocators, tables, strict=True):
+            allocator.cache_pages(table[start:end], keys[start:end])
+
+    def free(self, tables: Sequence[list[int]]) -> None:
+        """Gives back every page of the tables (none: a request that never got pages)."""
+        for allocator, table in zip(self.allocators, tables or self.new_tables(), strict=True):
+            allocator.free(table)

@@ -2,9 +2,10 @@
 
 A decode step (every sequence runs one token) has fixed shapes once its batch is padded to a bucket (1, 2, 4, 8,
 ... up to `max_graph_batch`), so its launches are captured once and replayed: the GPU no longer waits on Python
-launching a few hundred kernels per token. Inputs live in static device buffers that each step overwrites
-(`_fill`); padded rows write no KV (slot -1), attend to one key and route no token to the CPU. The decode
-kernels size their grids by the largest context (`max_model_len`), so one graph serves every context length.
+launching a few hundred kernels per token. Inputs live in static device buffers (a slot mapping and block table
+per cache group) that each step overwrites with the runner's prepared inputs (`_fill`); padded rows write no KV
+(slot -1), attend to one key and route no token to the CPU. The decode kernels size their grids by the largest
+context (`max_model_len`), so one graph serves every context length.
 
 CPU experts inside the graph: capture (and `run_eagerly`) runs the model's `CpuHandoff` in `StepMode.GRAPH`
 (`hybrid.cpu_handoff.GraphHandoff`, device work only): submit copies the layer's routed tokens into the
@@ -14,7 +15,8 @@ checks it once the step has synchronised (`finish_step`). Where the layers' expe
 buffers are served by `cpu_experts.decode_pool.DecodePool` instead (steps below the prefill kernels' threshold);
 the device side cannot tell the two apart.
 
-Contract with the engine: `can_run(num_seqs)`, `run(seqs, input_ids) -> logits [num_seqs, V]` (a view of the
+Contract with the model runner (`hybrid.model_runner`, which owns this object): `can_run(num_seqs)`,
+`run(inputs, input_ids) -> logits [num_seqs, V]` (inputs: `StepInputs.prepare` of a decode step; a view of the
 graph's output, valid until the next step), then `finish_step()` after the host has read what it needs.
 """
 
@@ -30,7 +32,7 @@ from cpu_experts.module import CpuExperts
 from cpu_experts.topology import allowed_cpus
 from hybrid.block_manager import blocks_needed
 from hybrid.cpu_handoff import GraphHandoff, StepMode
-from hybrid.forward_batch import ForwardBatch, SequenceSlice
+from hybrid.forward_batch import ForwardBatch, StepInputs, padded
 from hybrid.layers.moe import SparseMoE
 from hybrid.routed_experts import RoutedExperts
 
@@ -56,8 +58,11 @@ class CudaGraphRunner:
         n = self.buckets[-1]
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=self.device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=self.device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=self.device)
-        self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=self.device)
+        num_groups = len(llm.blocks.groups)
+        self.slot_mappings = tuple(torch.full((n,), -1, dtype=torch.int64, device=self.device)
+                                   for _ in range(num_groups))
+        self.block_tables = tuple(torch.zeros(n, max_blocks, dtype=torch.int32, device=self.device)
+                                  for _ in range(num_groups))
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=self.device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=self.device)
         self.cpu_modules = [m for m in self.model.modules() if isinstance(m, CpuExperts)]
@@ -82,8 +87,8 @@ class CudaGraphRunner:
     def _batch(self, size: int) -> ForwardBatch:
         # Host lengths only size the decode grids: the largest context any step can have.
         return ForwardBatch(
-            positions=self.positions[:size], slot_mapping=self.slot_mapping[:size],
-            block_tables=self.block_tables[:size], seq_lens=self.seq_lens[:size],
+            positions=self.positions[:size], slot_mappings=tuple(s[:size] for s in self.slot_mappings),
+            block_tables_by_group=tuple(t[:size] for t in self.block_tables), seq_lens=self.seq_lens[:size],
             query_start_loc=self.query_start_loc[:size + 1], block_size=self.block_size,
             seq_lens_cpu=[self.max_model_len] * size, query_lens_cpu=[1] * size)
 
@@ -133,21 +138,21 @@ class CudaGraphRunner:
                 pool = graph.pool()
                 self.graphs[size] = graph
 
-    def run(self, seqs: list[SequenceSlice], input_ids: list[int]) -> torch.Tensor:
-        """One decode step of len(seqs) sequences (one new token each) -> float32 logits [len(seqs), V]."""
-        size = self._fill(seqs, input_ids)
+    def run(self, inputs: StepInputs, input_ids: list[int]) -> torch.Tensor:
+        """One decode step (one new token per sequence) -> float32 logits [num_seqs, V]."""
+        size = self._fill(inputs, input_ids)
         self._arm(size)
         self.graphs[size].replay()
         self.num_replays += 1
-        return self.logits[size][:len(seqs)]
+        return self.logits[size][:len(input_ids)]
 
     @torch.inference_mode()
-    def run_eagerly(self, seqs: list[SequenceSlice], input_ids: list[int]) -> torch.Tensor:
+    def run_eagerly(self, inputs: StepInputs, input_ids: list[int]) -> torch.Tensor:
         """The step `run` replays, launched op by op (same buffers, shapes and hand-off): checks and debugging."""
-        size = self._fill(seqs, input_ids)
+        size = self._fill(inputs, input_ids)
         with self._graph_mode():
             self._arm(size)
-            return self._forward(size)[:len(seqs)]
+            return self._forward(size)[:len(input_ids)]
 
     def _graph_mode(self):
         """The CPU experts reached through the graph hand-off (what a captured step does)."""
@@ -155,23 +160,22 @@ class CudaGraphRunner:
             return contextlib.nullcontext()
         return self.llm.cpu_handoff.step_mode(StepMode.GRAPH)
 
-    def _fill(self, seqs: list[SequenceSlice], input_ids: list[int]) -> int:
-        """Writes the step into the static buffers of the smallest bucket that holds it; returns that bucket."""
-        size = next(b for b in self.buckets if b >= len(seqs))
-        positions = [s.num_computed for s in seqs]
-        slots = [s.block_table[p // self.block_size] * self.block_size + p % self.block_size
-                 for s, p in zip(seqs, positions, strict=True)]
-        num_pad = size - len(seqs)
-        tables = torch.zeros(size, self.block_tables.shape[1], dtype=torch.int32)
-        for row, s in enumerate(seqs):
-            tables[row, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
+    def _fill(self, inputs: StepInputs, input_ids: list[int]) -> int:
+        """Copies the prepared step into the static buffers of the smallest bucket that holds it (padded rows: no
+        KV write, one key); returns that bucket."""
+        num_seqs = len(input_ids)
+        size = next(b for b in self.buckets if b >= num_seqs)
+        num_pad = size - num_seqs
         self.input_ids[:size].copy_(torch.tensor(input_ids + [0] * num_pad))
-        self.positions[:size].copy_(torch.tensor(positions + [0] * num_pad))
-        self.slot_mapping[:size].copy_(torch.tensor(slots + [-1] * num_pad))
-        self.seq_lens[:size].copy_(torch.tensor([p + 1 for p in positions] + [1] * num_pad, dtype=torch.int32))
-        self.block_tables[:size].copy_(tables)
+        self.positions[:size].copy_(torch.tensor(inputs.positions + [0] * num_pad))
+        self.seq_lens[:size].copy_(torch.tensor(inputs.seq_lens + [1] * num_pad, dtype=torch.int32))
+        for group, (slots, tables) in enumerate(zip(inputs.slot_mappings, inputs.block_tables, strict=True)):
+            self.slot_mappings[group][:size].copy_(torch.tensor(slots + [-1] * num_pad))
+            width = self.block_tables[group].shape[1]
+            self.block_tables[group][:size].copy_(torch.tensor(padded(tables + [[]] * num_pad, width),
+                                                               dtype=torch.int32))
         if self.handoff is not None:
-            self.handoff.valid_rows[:size].copy_(torch.arange(size)[:, None] < len(seqs))
+            self.handoff.valid_rows[:size].copy_(torch.arange(size)[:, None] < num_seqs)
         return size
 
     def close(self) -> None:

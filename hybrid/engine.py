@@ -3,15 +3,16 @@ schedule -> run -> update:
 
 1. schedule (`hybrid.scheduler`): which requests run and how many of their tokens (decodes and prefill chunks mixed
    under one token budget, prefix-cached pages reused, newest preempted when pages run out);
-2. run: one `ForwardBatch` over all scheduled chunks, one forward pass, logits only for the chunks that end at a
-   request's last token; on CUDA a step of single-token chunks replays a captured graph (`hybrid.cuda_graphs`);
+2. run (`hybrid.model_runner.ModelRunner`): the step's inputs prepared from all scheduled chunks, one forward
+   pass, logits only for the chunks that end at a request's last token; on CUDA a step of single-token chunks
+   replays a captured graph (`hybrid.cuda_graphs`, owned by the runner);
 3. update: sample every row at once on the device (`hybrid.sampling.sample_batch`: each request's parameters,
    penalties and seed; one transfer to the host), append, finish on a stop token, a stop string (with a tokenizer,
    `hybrid.detokenizer`) or max_tokens, free the pages of finished requests, publish full pages to the prefix cache.
 
-`Engine` takes an `LLM` (the model, its KV cache and its config) and takes its pages from the LLM's one block
-manager (`llm.blocks`), so pages are never handed out twice; the newest engine built over an LLM is the one
-`LLM.generate` runs through. The CPU path runs this same loop.
+`Engine` takes an `LLM` (the model, its KV cache and its config) and takes its pages from the LLM's one set of
+per-cache-group allocators (`llm.blocks`), so pages are never handed out twice; the newest engine built over an
+LLM is the one `LLM.generate` runs through. The CPU path runs this same loop.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from hybrid.detokenizer import IncrementalDetokenizer
-from hybrid.forward_batch import ForwardBatch, SequenceSlice
+from hybrid.model_runner import ModelRunner
 from hybrid.sampling import RowInputs, SampleResult, SamplingParams, sample_batch
 from hybrid.scheduler import Request, ScheduledChunk, Scheduler
 
@@ -40,7 +41,7 @@ class StepOutput:
 
 @dataclass(frozen=True)
 class EngineStats:
-    """A snapshot for metrics: requests by state and KV-cache pages."""
+    """A snapshot for metrics: requests by state and KV-cache pages (over all cache groups)."""
 
     num_running: int
     num_waiting: int
@@ -49,13 +50,17 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, llm, max_num_batched_tokens: int | None = None, max_num_seqs: int = 64, tokenizer=None,
-                 allow_cuda_graphs: bool = True):
-        """`max_num_batched_tokens`: tokens per step (None: 512, or max_model_len if smaller); at most max_model_len,
-        the largest step the CPU experts' staging buffers take. `tokenizer` (a transformers tokenizer): outputs
-        carry their text, and requests may stop on strings. `allow_cuda_graphs` False: decode eagerly even where
-        the config's `cuda_graph` would capture (`LLM.generate`'s own engine: one request, eager numerics)."""
-        max_num_batched_tokens = max_num_batched_tokens or min(512, llm.max_model_len)
+    def __init__(self, llm, max_num_batched_tokens: int | None = None, max_num_seqs: int | None = None,
+                 tokenizer=None, allow_cuda_graphs: bool = True):
+        """`max_num_batched_tokens`: tokens per step (None: the engine config's, default 512 or max_model_len if
+        smaller); at most max_model_len, the largest step the CPU experts' staging buffers take. `max_num_seqs`
+        (None: the engine config's): requests run together; the config's values size the sliding-window cache
+        groups, and larger ones here still run, queued where those pools run short. `tokenizer` (a transformers
+        tokenizer): outputs carry their text, and requests may stop on strings. `allow_cuda_graphs` False: decode
+        eagerly even where the config's `cuda_graph` would capture (`LLM.generate`'s own engine: one request,
+        eager numerics)."""
+        max_num_batched_tokens = max_num_batched_tokens or llm.max_num_batched_tokens
+        max_num_seqs = max_num_seqs or llm.engine_config.max_num_seqs
         if max_num_batched_tokens > llm.max_model_len:
             raise ValueError(f"max_num_batched_tokens {max_num_batched_tokens} exceeds max_model_len "
                              f"{llm.max_model_len}; lower it or build the LLM with a larger max_model_len")
@@ -63,26 +68,19 @@ class Engine:
         self.device = llm.engine_config.device
         self.block_size = llm.engine_config.block_size
         self.blocks = llm.blocks  # the model's one owner of KV pages (LLM.prefill_logits allocates from it too)
+        self.runner = ModelRunner.for_engine(llm, max_num_seqs, allow_cuda_graphs)
         self.scheduler = Scheduler(self.blocks, max_num_batched_tokens, max_num_seqs)
         self.requests: dict[int, Request] = {}
         self._ids = itertools.count()
         self._generators: dict[int, torch.Generator] = {}
         self.tokenizer = tokenizer
         self._detokenizers: dict[int, IncrementalDetokenizer] = {}
-        self.graph_runner = self._graph_runner(max_num_seqs) if allow_cuda_graphs else None
         llm.attach_engine(self)
 
-    def _graph_runner(self, max_num_seqs: int):
-        """Decode as CUDA graphs where they can run: CUDA, the Triton attention kernels (the PyTorch attention
-        loops over host lengths, which a graph would freeze), and `cuda_graph` left on."""
-        cfg = self.llm.engine_config
-        if not (cfg.cuda_graph and cfg.is_cuda and self.llm.backends.attention.name == "triton"):
-            return None
-        from hybrid.cuda_graphs import CudaGraphRunner
-
-        runner = CudaGraphRunner(self.llm, min(cfg.max_graph_batch, max_num_seqs))
-        runner.capture()
-        return runner
+    @property
+    def graph_runner(self):
+        """The runner's captured decode graphs (`hybrid.cuda_graphs.CudaGraphRunner`), or None."""
+        return self.runner.graphs
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None, max_tokens: int = 16,
                     stop_token_ids: list[int] | None = None, ignore_eos: bool = False, stop: tuple[str, ...] = (),
@@ -123,8 +121,8 @@ class Engine:
                            self.blocks.num_free)
 
     def close(self) -> None:
-        if self.graph_runner is not None:
-            self.graph_runner.close()
+        if self.runner is not self.llm.runner:
+            self.runner.close()
         self.llm.detach_engine(self)  # LLM.generate no longer runs through a closed engine
 
     def has_work(self) -> bool:
@@ -135,10 +133,9 @@ class Engine:
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
-        logits = self._run(chunks)
+        logits = self.runner.execute_chunks(chunks)
         outputs = self._update(chunks, logits)
-        if self.graph_runner is not None:
-            self.graph_runner.finish_step()  # the update read the logits: the step's GPU work is over
+        self.runner.finish_step()  # the update read the logits: the step's GPU work is over
         return outputs
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | None = None, max_tokens: int = 16,
@@ -148,29 +145,6 @@ class Engine:
         while self.has_work():
             self.step()
         return [self.requests.pop(i).output_ids for i in ids]
-
-    def _run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """One forward pass over every chunk -> float32 logits [chunks ending at their last token, V]."""
-        seqs, input_ids, rows, row = [], [], [], -1
-        for chunk in chunks:
-            r = chunk.request
-            seqs.append(SequenceSlice(r.num_computed, chunk.num_new, r.block_table))
-            input_ids += r.token_ids[r.num_computed:r.num_computed + chunk.num_new]
-            row += chunk.num_new
-            if chunk.is_last:
-                rows.append(row)
-        self.llm.num_forward_tokens += len(input_ids)
-        runner = self.graph_runner
-        is_decode = all(c.num_new == 1 and c.is_last for c in chunks)  # each row samples its request's next token
-        if runner is not None and is_decode and runner.can_run(len(seqs)):
-            return runner.run(seqs, input_ids)
-        if runner is not None:
-            runner.park()
-        batch = ForwardBatch.build(seqs, self.block_size, self.device)
-        hidden = self.llm.model(torch.tensor(input_ids, dtype=torch.int64, device=self.device), batch)
-        if not rows:
-            return hidden.new_empty(0)
-        return self.llm.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
 
     def _update(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[StepOutput]:
         sampled = [chunk.request for chunk in chunks if chunk.is_last]  # logits' rows, in order; before num_computed

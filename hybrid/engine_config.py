@@ -29,6 +29,11 @@ class EngineConfig:
     block_size: int = field(default=16, metadata=_help("tokens per KV-cache page"))
     kv_cache_tokens: int | None = field(default=None, metadata=_help(
         "tokens the paged KV cache holds over all sequences; default 4 x max_model_len"))
+    # with kv_cache_tokens these size the sliding-window cache groups (`hybrid.cache_groups`); hybrid-serve sets
+    # them from its --max-running-requests and --max-num-batched-tokens
+    max_num_seqs: int = field(default=64, metadata=_help("requests the engine runs together"))
+    max_num_batched_tokens: int | None = field(default=None, metadata=_help(
+        "tokens per engine step (prefill chunk budget); default min(512, max_model_len)"))
     numa_partitions: int | None = field(default=None, metadata=_help(
         "CPU experts: partitions of the intermediate dimension; default one per NUMA node"))
     # int8 CPU experts: "int8" rounds each activation row to int8 (W8A8: VNNI/AMX-INT8 prefill, what llama.cpp and
@@ -81,10 +86,10 @@ class EngineConfig:
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype '{self.dtype}' is not supported; supported: {', '.join(DTYPES)}")
-        for name in ("block_size", "max_graph_batch"):
+        for name in ("block_size", "max_graph_batch", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("numa_partitions", "max_model_len", "kv_cache_tokens"):
+        for name in ("numa_partitions", "max_model_len", "kv_cache_tokens", "max_num_batched_tokens"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be >= 1, got {value}")

@@ -1,37 +1,112 @@
 """Per-step batch metadata: the one object passed into `model.forward` besides the token ids.
 
 Tokens of all sequences in a step are concatenated ([T] = sum of query lengths). Sequence b owns tokens
-query_start_loc[b]:query_start_loc[b+1], which are its positions seq_lens[b] - query_len .. seq_lens[b] - 1;
-its KV lives in the pages listed in block_tables[b]; token t's new KV goes to slot slot_mapping[t]
-(page * block_size + offset). Host copies of the lengths let the reference paths loop without device syncs.
+query_start_loc[b]:query_start_loc[b+1], which are its positions seq_lens[b] - query_len .. seq_lens[b] - 1.
+The KV cache is split into cache groups (`hybrid.cache_groups`), each with its own pages: in group g, sequence b's
+KV lives in the pages listed in block_tables[g][b], and token t's new KV goes to slot slot_mappings[g][t]
+(page * block_size + offset). An attention layer sees its own group's tables through `for_group`. Host copies of
+the lengths let the reference paths loop without device syncs.
+
+`StepInputs.prepare` is the one place a step's positions, slots and tables are computed (the slot formula lives in
+`slot`): eager steps turn them into a `ForwardBatch`, CUDA-graph steps copy them into their static buffers.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 
 import torch
+
+from hybrid.block_manager import NULL_PAGE
 
 
 @dataclass(frozen=True)
 class SequenceSlice:
-    """One sequence's part of a step: `num_computed` tokens already in the cache, `num_new` run now."""
+    """One sequence's part of a step: `num_computed` tokens already in the cache, `num_new` run now, and its
+    block table in each cache group."""
 
     num_computed: int
     num_new: int
-    block_table: list[int]
+    block_tables: Sequence[list[int]]
+
+
+def slot(block_table: list[int], position: int, block_size: int) -> int:
+    """The flat KV-cache slot of `position` in a sequence with this block table."""
+    page = block_table[position // block_size]
+    if page == NULL_PAGE:
+        raise ValueError(f"position {position} lies in a page released from its window")
+    return page * block_size + position % block_size
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """A step's inputs as host lists (what `ForwardBatch` and the graphs' static buffers are filled from)."""
+
+    positions: list[int]
+    slot_mappings: list[list[int]]  # per group, [T]
+    block_tables: list[list[list[int]]]  # per group, [B][pages], released pages as 0, rows ragged
+    seq_lens: list[int]
+    query_start_loc: list[int]
+
+    @classmethod
+    def prepare(cls, seqs: Sequence[SequenceSlice], block_size: int) -> StepInputs:
+        num_groups = len(seqs[0].block_tables)
+        positions, starts, seq_lens = [], [0], []
+        slots: list[list[int]] = [[] for _ in range(num_groups)]
+        for seq in seqs:
+            end = seq.num_computed + seq.num_new
+            for table in seq.block_tables:
+                if len(table) * block_size < end:
+                    raise ValueError(f"block table of {len(table)} pages is too short for {end} tokens")
+            positions += range(seq.num_computed, end)
+            for group, table in enumerate(seq.block_tables):
+                slots[group] += (slot(table, pos, block_size) for pos in range(seq.num_computed, end))
+            starts.append(starts[-1] + seq.num_new)
+            seq_lens.append(end)
+        # a released entry reads as page 0: in bounds, and the kernels never read a key before the window
+        tables = [[[max(page, 0) for page in seq.block_tables[group]] for seq in seqs] for group in range(num_groups)]
+        return cls(positions, slots, tables, seq_lens, starts)
+
+    @property
+    def query_lens(self) -> list[int]:
+        return [b - a for a, b in zip(self.query_start_loc, self.query_start_loc[1:], strict=False)]
+
+
+def padded(rows: list[list[int]], width: int | None = None) -> list[list[int]]:
+    width = width if width is not None else max(len(row) for row in rows)
+    return [row + [0] * (width - len(row)) for row in rows]
 
 
 @dataclass
 class ForwardBatch:
     positions: torch.Tensor  # [T] int64
-    slot_mapping: torch.Tensor  # [T] int64
-    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
+    slot_mappings: tuple[torch.Tensor, ...]  # per cache group, [T] int64
+    block_tables_by_group: tuple[torch.Tensor, ...]  # per cache group, [B, max_blocks] int32, padded with 0
     seq_lens: torch.Tensor  # [B] int32: context length after this step
     query_start_loc: torch.Tensor  # [B + 1] int32
     block_size: int
     seq_lens_cpu: list[int]
     query_lens_cpu: list[int]
+    group: int = 0  # the cache group whose tables `slot_mapping` and `block_tables` are
+    _views: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        return self.slot_mappings[self.group]
+
+    @property
+    def block_tables(self) -> torch.Tensor:
+        return self.block_tables_by_group[self.group]
+
+    def for_group(self, group: int) -> ForwardBatch:
+        """The step as the layers of cache group `group` see it (one view per group and step, made once)."""
+        if group == self.group:
+            return self
+        view = self._views.get(group)
+        if view is None:
+            view = self._views[group] = replace(self, group=group)
+        return view
 
     @property
     def num_seqs(self) -> int:
@@ -46,26 +121,21 @@ class ForwardBatch:
         return self.query_start_loc[1:].long() - 1
 
     @classmethod
-    def build(cls, seqs: list[SequenceSlice], block_size: int, device: torch.device | str) -> ForwardBatch:
-        positions, slots, starts = [], [], [0]
-        for seq in seqs:
-            end = seq.num_computed + seq.num_new
-            if len(seq.block_table) * block_size < end:
-                raise ValueError(f"block table of {len(seq.block_table)} pages is too short for {end} tokens")
-            for pos in range(seq.num_computed, end):
-                positions.append(pos)
-                slots.append(seq.block_table[pos // block_size] * block_size + pos % block_size)
-            starts.append(starts[-1] + seq.num_new)
-        max_blocks = max(len(seq.block_table) for seq in seqs)
-        tables = [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in seqs]
-        seq_lens = [seq.num_computed + seq.num_new for seq in seqs]
+    def from_inputs(cls, inputs: StepInputs, block_size: int, device: torch.device | str) -> ForwardBatch:
+        def ints(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=device)
+
         return cls(
-            positions=torch.tensor(positions, dtype=torch.int64, device=device),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            positions=ints(inputs.positions, torch.int64),
+            slot_mappings=tuple(ints(s, torch.int64) for s in inputs.slot_mappings),
+            block_tables_by_group=tuple(ints(padded(t), torch.int32) for t in inputs.block_tables),
+            seq_lens=ints(inputs.seq_lens, torch.int32),
+            query_start_loc=ints(inputs.query_start_loc, torch.int32),
             block_size=block_size,
-            seq_lens_cpu=seq_lens,
-            query_lens_cpu=[seq.num_new for seq in seqs],
+            seq_lens_cpu=inputs.seq_lens,
+            query_lens_cpu=inputs.query_lens,
         )
+
+    @classmethod
+    def build(cls, seqs: Sequence[SequenceSlice], block_size: int, device: torch.device | str) -> ForwardBatch:
+        return cls.from_inputs(StepInputs.prepare(seqs, block_size), block_size, device)

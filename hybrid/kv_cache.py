@@ -1,36 +1,52 @@
 """Paged KV-cache storage: per attention layer, one tensor [num_blocks, block_size, heads, dim] for each cache
-part the layer declares (GQA: K and V; MLA: the compressed latent). Which pages a sequence owns is decided by
-`hybrid.block_manager`; this module only allocates the tensors and binds them to the layers."""
+part the layer declares (GQA: K and V; MLA: the compressed latent), with its cache group's page count
+(`hybrid.cache_groups`). Which pages a sequence owns is decided by `hybrid.block_manager`; this module only
+allocates the tensors and binds them (and the group) to the layers."""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 
 import torch
+
+from hybrid.cache_groups import CacheGroup
 
 log = logging.getLogger(__name__)
 
 
-def kv_bytes_per_token(attention_layers, dtype: torch.dtype) -> int:
+def page_bytes(group: CacheGroup, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one page of the group takes over all its layers."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return sum(heads * dim * elem for layer in attention_layers for heads, dim in layer.kv_cache_shapes())
+    per_layer = sum(heads * dim for heads, dim in group.page_shapes) * block_size * elem
+    return per_layer * len(group.layer_indices)
 
 
-def allocate_kv_cache(
-    attention_layers, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str
-) -> list[tuple[torch.Tensor, ...]]:
-    """Allocates and binds each layer's cache tensors; returns them (the runner keeps them alive)."""
+def kv_cache_bytes(groups: Sequence[CacheGroup], block_size: int, dtype: torch.dtype) -> int:
+    return sum(page_bytes(g, block_size, dtype) * g.num_blocks for g in groups)
+
+
+def allocate_kv_cache(attention_layers, groups: Sequence[CacheGroup], block_size: int, dtype: torch.dtype,
+                      device: torch.device | str) -> list[tuple[torch.Tensor, ...]]:
+    """Allocates and binds each layer's cache tensors and cache group; returns them (the runner keeps them
+    alive)."""
     start = time.perf_counter()
-    caches = []
-    for layer in attention_layers:
-        parts = tuple(
-            torch.zeros(num_blocks, block_size, heads, dim, dtype=dtype, device=device)
-            for heads, dim in layer.kv_cache_shapes()
-        )
-        layer.kv_cache = parts
-        caches.append(parts)
+    layers = list(attention_layers)
+    caches: list[tuple[torch.Tensor, ...]] = [()] * len(layers)
+    for index, group in enumerate(groups):
+        for i in group.layer_indices:
+            parts = tuple(torch.zeros(group.num_blocks, block_size, heads, dim, dtype=dtype, device=device)
+                          for heads, dim in layers[i].kv_cache_shapes())
+            layers[i].kv_cache, layers[i].cache_group = parts, index
+            caches[i] = parts
+        window = f"window {group.sliding_window}" if group.is_windowed else "full"
+        log.info("KV cache group %d (%d layers, %s, page %s): %d tokens (%d pages of %d), %.2f GiB", index,
+                 len(group.layer_indices), window, group.page_shapes, group.num_blocks * block_size,
+                 group.num_blocks, block_size, page_bytes(group, block_size, dtype) * group.num_blocks / 2**30)
     num_bytes = sum(t.numel() * t.element_size() for parts in caches for t in parts)
-    log.info("KV cache: %d tokens (%d pages of %d), %.2f GiB on %s, allocated in %.2f s", num_blocks * block_size,
-             num_blocks, block_size, num_bytes / 2**30, device, time.perf_counter() - start)
+    # tokens: the context the largest pool holds (a full group's, where there is one)
+    log.info("KV cache: %d tokens (%d groups, %d pages of %d), %.2f GiB on %s, allocated in %.2f s",
+             max(g.num_blocks for g in groups) * block_size, len(groups), sum(g.num_blocks for g in groups),
+             block_size, num_bytes / 2**30, device, time.perf_counter() - start)
     return caches

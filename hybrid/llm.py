@@ -1,7 +1,8 @@
-"""`LLM`: the Python API over one model: the model, its paged KV cache and the one block manager that owns the
-cache's pages; full-prompt logits; and single-sequence generation, which runs through the model's engine
-(`hybrid.engine.Engine`: the newest one built over this LLM, else one of its own), so pages, prefix cache and
-sampling have one implementation."""
+"""`LLM`: the Python API over one model: the model, its paged KV cache in cache groups (`hybrid.cache_groups`) and
+the one set of per-group allocators that owns the cache's pages (`blocks`); its eager model runner
+(`hybrid.model_runner`); full-prompt logits; and single-sequence generation, which runs through the model's engine
+(`hybrid.engine.Engine`: the newest one built over this LLM, else one of its own), so pages, prefix cache, step
+inputs and sampling have one implementation."""
 
 from __future__ import annotations
 
@@ -13,16 +14,18 @@ from pathlib import Path
 import torch
 
 from cpu_experts.topology import allowed_cpus, discover_nodes, use_kernel_threads
-from hybrid.block_manager import PrefixCachingBlockManager, blocks_needed
+from hybrid.block_manager import CacheGroupBlocks, OutOfBlocks, blocks_needed
+from hybrid.cache_groups import derive_cache_groups
 from hybrid.config import resolve_max_model_len
 from hybrid.converted import cpu_executor, read_manifest
 from hybrid.cpu_handoff import CpuHandoff
 from hybrid.engine_config import EngineConfig
 from hybrid.errors import ConfigError
-from hybrid.forward_batch import ForwardBatch, SequenceSlice
-from hybrid.kv_cache import allocate_kv_cache, kv_bytes_per_token
+from hybrid.forward_batch import SequenceSlice
+from hybrid.kv_cache import allocate_kv_cache, kv_cache_bytes
 from hybrid.layers.backends import Backends, uses_gemm_kernels
 from hybrid.loader import load_weights
+from hybrid.model_runner import ModelRunner
 from hybrid.models import load_model_config
 from hybrid.models.base import MoECausalLM
 from hybrid.placement import ExpertPlacement, RoutingRecorder, RoutingStats, activation_bytes, auto_gpu_experts
@@ -60,6 +63,10 @@ class LLM:
         self.max_model_len = resolve_max_model_len(cfg.max_model_len, self.config)
         block_size = cfg.block_size
         num_blocks = blocks_needed(max(cfg.kv_cache_tokens or 4 * self.max_model_len, self.max_model_len), block_size)
+        self.max_num_batched_tokens = cfg.max_num_batched_tokens or min(512, self.max_model_len)
+        if self.max_num_batched_tokens > self.max_model_len:
+            raise ConfigError(f"max_num_batched_tokens {self.max_num_batched_tokens} exceeds max_model_len "
+                              f"{self.max_model_len}; lower it or raise max_model_len")
         # Placement, decided once: a converted directory's routed experts run on the CPU operator (some of them on
         # the GPU with gpu_experts), and so do a plain checkpoint's with expert_placement cpu (auto on CUDA), read
         # from it at load; otherwise they run through the PyTorch reference on the engine's device.
@@ -105,12 +112,19 @@ class LLM:
             self.cpu_executor = cpu_executor(self.model, self.max_model_len, torch.float32, num_threads)
             self.cpu_handoff.executor = self.cpu_executor
         # the one owner of this model's KV pages: every engine over it and prefill_logits take pages from it
-        self.blocks = PrefixCachingBlockManager(num_blocks, block_size, cfg.enable_prefix_caching)
+        groups = self._cache_groups(self.model, num_blocks)
+        self.blocks = CacheGroupBlocks(groups, block_size, cfg.enable_prefix_caching)
         self.engine = None  # what generate() runs through: the newest Engine(self), else one generate() builds
         self._owns_engine = False
-        self.kv_caches = allocate_kv_cache(self.model.attention_layers(), num_blocks, block_size, cfg.torch_dtype,
+        self.kv_caches = allocate_kv_cache(self.model.attention_layers(), groups, block_size, cfg.torch_dtype,
                                            cfg.device)
         self.num_forward_tokens = 0
+        self.runner = ModelRunner(self)  # eager: prefill_logits, and the engines that capture no graphs
+
+    def _cache_groups(self, model, num_full_blocks: int):
+        cfg = self.engine_config
+        return derive_cache_groups(model.attention_layers(), num_full_blocks, cfg.block_size, cfg.max_num_seqs,
+                                   self.max_num_batched_tokens)
 
     def record_routing(self) -> RoutingRecorder:
         """Starts counting the experts each MoE layer routes to; `recorder.stats().write(path)` saves them for
@@ -144,7 +158,7 @@ class LLM:
         meta = build_model(cls, self.config, replace(cfg, device="meta"),
                            Backends(make_experts=partial(cpu_experts_factory, handoff=CpuHandoff())))
         dense_bytes = sum(t.numel() * t.element_size() for t in itertools.chain(meta.parameters(), meta.buffers()))
-        kv_bytes = kv_bytes_per_token(meta.attention_layers(), cfg.torch_dtype) * num_blocks * cfg.block_size
+        kv_bytes = kv_cache_bytes(self._cache_groups(meta, num_blocks), cfg.block_size, cfg.torch_dtype)
         moe = self.config.moe
         streaming = reserve_bytes(moe.num_experts, self.config.hidden_size, moe.intermediate_size) \
             if self.gpu_prefill_tokens else 0
@@ -181,14 +195,24 @@ class LLM:
     @torch.inference_mode()
     def prefill_logits(self, token_ids: list[int]) -> torch.Tensor:
         """float32 logits [len(token_ids), vocab] of a fresh sequence (its pages are not published to the prefix
-        cache)."""
+        cache). One step where every cache group has the pages; else in chunks as large as the sliding-window
+        groups' free pages allow, their out-of-window pages given back between chunks."""
         self._check_prompt(token_ids, 0)
-        blocks = self.blocks.allocate(blocks_needed(len(token_ids), self.engine_config.block_size))
+        tables, num_computed, logits = self.blocks.new_tables(), 0, []
         try:
-            hidden = self._step(token_ids, 0, blocks)
-            return self.model.compute_logits(hidden)
+            while num_computed < len(token_ids):
+                self.blocks.release_out_of_window(tables, num_computed)
+                num_new = self.blocks.fit(tables, num_computed, len(token_ids) - num_computed)
+                if num_new == 0:
+                    raise OutOfBlocks(f"prefill_logits of {len(token_ids)} tokens: no free KV pages (the engine's "
+                                      f"requests hold them); finish them first")
+                self.blocks.allocate(tables, num_computed + num_new)
+                seq = SequenceSlice(num_computed, num_new, tables)
+                logits.append(self.runner.execute([seq], token_ids[num_computed:num_computed + num_new]))
+                num_computed += num_new
         finally:
-            self.blocks.free(blocks)
+            self.blocks.free(tables)
+        return logits[0] if len(logits) == 1 else torch.cat(logits)
 
     def generate(self, token_ids: list[int], max_new_tokens: int = 16, *, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
@@ -225,13 +249,6 @@ class LLM:
                                f"{len(self.engine.scheduler.running) + len(self.engine.scheduler.waiting)} requests "
                                f"in flight: add this prompt with engine.add_request and step the engine instead")
         return self.engine
-
-    def _step(self, new_ids: list[int], num_computed: int, blocks: list[int]) -> torch.Tensor:
-        device = self.engine_config.device
-        batch = ForwardBatch.build([SequenceSlice(num_computed, len(new_ids), blocks)],
-                                   self.engine_config.block_size, device)
-        self.num_forward_tokens += len(new_ids)
-        return self.model(torch.tensor(new_ids, dtype=torch.int64, device=device), batch)
 
     def _check_prompt(self, token_ids: list[int], max_new_tokens: int) -> None:
         if not token_ids:

@@ -3,10 +3,12 @@
 Each step has a budget of `max_num_batched_tokens` and `max_num_seqs`. Running requests come first, oldest first:
 a decoding request takes one token, a request still in its prompt takes a chunk of it (chunked prefill), so long
 prompts never stall the decodes beside them. Waiting requests are admitted after that while budget and KV pages
-last; a request's cached prefix (`PrefixCachingBlockManager.match_prefix`) is not recomputed. A request keys each
-of its full pages once, when the page fills (`advance`), and publishes it to the prefix cache then. When a running
-request needs a page and none is free, the newest running request is preempted: its pages are freed and it waits
-again at the head of the queue, to be recomputed (its tokens so far are kept). Nothing here touches torch.
+last; a request's cached prefix (`CacheGroupBlocks.match_prefix`) is not recomputed. A request keys each
+of its full pages once, when the page fills (`advance`), and publishes it to the prefix cache then. A request holds
+one block table per cache group; at each step start, sliding-window groups take back the pages before its window.
+When a running request needs a page and none is free, the newest running request is preempted: its pages are freed
+and it waits again at the head of the queue, to be recomputed (its tokens so far are kept); a windowed group short
+of pages only shrinks a prefill chunk. Nothing here touches torch.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from hybrid.block_manager import PrefixCachingBlockManager, blocks_needed
+from hybrid.block_manager import CacheGroupBlocks
 from hybrid.sampling import SamplingParams
 
 
@@ -26,11 +28,11 @@ class Request:
     max_tokens: int
     stop_token_ids: frozenset[int] = frozenset()
     output_ids: list[int] = field(default_factory=list)
-    block_table: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)  # one per cache group
     num_computed: int = 0  # tokens whose KV is in the cache
     num_cached: int = 0  # of those, how many came from the prefix cache when it was admitted
     page_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full pages, each hashed once
-    num_published: int = 0  # leading pages of block_table published to the prefix cache
+    num_published: int = 0  # leading pages of the block tables published to the prefix cache
     finish_reason: str | None = None  # "stop", "length" or "cancelled"
 
     @property
@@ -58,7 +60,7 @@ class ScheduledChunk:
 
 
 class Scheduler:
-    def __init__(self, blocks: PrefixCachingBlockManager, max_num_batched_tokens: int, max_num_seqs: int):
+    def __init__(self, blocks: CacheGroupBlocks, max_num_batched_tokens: int, max_num_seqs: int):
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
         self.blocks = blocks
@@ -67,10 +69,9 @@ class Scheduler:
         self.running: list[Request] = []
 
     def add(self, request: Request) -> None:
-        needed = blocks_needed(len(request.prompt_ids) + request.max_tokens, self.blocks.block_size)
-        if needed > self.blocks.num_blocks:
-            raise ValueError(f"request {request.request_id} needs {needed} KV pages, the cache has "
-                             f"{self.blocks.num_blocks}: shorten the prompt or max_tokens")
+        problem = self.blocks.too_large(len(request.prompt_ids) + request.max_tokens)
+        if problem is not None:
+            raise ValueError(f"request {request.request_id} {problem}: shorten the prompt or max_tokens")
         self.waiting.append(request)
 
     def has_work(self) -> bool:
@@ -79,23 +80,25 @@ class Scheduler:
     def schedule(self) -> list[ScheduledChunk]:
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
+        for request in self.running:
+            self.blocks.release_out_of_window(request.block_tables, request.num_computed)
         for request in list(self.running):
             if budget == 0:
                 break
             if request not in self.running:  # preempted by an older request in this loop
                 continue
-            num_new = min(request.num_tokens - request.num_computed, budget)
-            if not self._reserve(request, num_new, preempt=True):
+            num_new = self._reserve(request, min(request.num_tokens - request.num_computed, budget), preempt=True)
+            if not num_new:
                 continue
             chunks.append(ScheduledChunk(request, num_new))
             budget -= num_new
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            cached = self._match_prefix(request)
-            request.block_table, request.num_computed = cached, len(cached) * self.blocks.block_size
-            request.num_cached, request.num_published = request.num_computed, len(cached)
-            num_new = min(request.num_tokens - request.num_computed, budget)
-            if not self._reserve(request, num_new, preempt=False):
+            num_pages, request.block_tables = self._match_prefix(request)
+            request.num_computed = num_pages * self.blocks.block_size
+            request.num_cached, request.num_published = request.num_computed, num_pages
+            num_new = self._reserve(request, min(request.num_tokens - request.num_computed, budget), preempt=False)
+            if not num_new:
                 self._release(request)
                 break  # first come, first served: nothing overtakes the head of the queue
             self.waiting.popleft()
@@ -104,11 +107,11 @@ class Scheduler:
             budget -= num_new
         return chunks
 
-    def _match_prefix(self, request: Request) -> list[int]:
+    def _match_prefix(self, request: Request) -> tuple[int, list[list[int]]]:
         """Cached pages of the request's leading full pages, up to its last token but one: the last token is
         always computed, since its logits pick the next one."""
         if not self.blocks.enable_prefix_caching:
-            return []
+            return 0, self.blocks.new_tables()
         num_pages = (request.num_tokens - 1) // self.blocks.block_size
         self.blocks.extend_keys(request.page_keys, request.token_ids, num_pages * self.blocks.block_size)
         return self.blocks.match_prefix(request.page_keys[:num_pages])
@@ -121,21 +124,23 @@ class Scheduler:
         if num_full <= request.num_published or not self.blocks.enable_prefix_caching:
             return
         self.blocks.extend_keys(request.page_keys, request.token_ids, request.num_computed)
-        start = request.num_published
-        self.blocks.cache_pages(request.block_table[start:num_full], request.page_keys[start:num_full])
+        self.blocks.cache_pages(request.block_tables, request.num_published, num_full, request.page_keys)
         request.num_published = num_full
 
-    def _reserve(self, request: Request, num_new: int, preempt: bool) -> bool:
-        """Pages for request's next num_new tokens; with `preempt`, newer running requests give theirs up."""
-        missing = blocks_needed(request.num_computed + num_new, self.blocks.block_size) - len(request.block_table)
-        while missing > self.blocks.num_free:
+    def _reserve(self, request: Request, num_new: int, preempt: bool) -> int:
+        """Pages for the request's next num_new tokens (fewer where a windowed group is short: see
+        `CacheGroupBlocks.fit`); with `preempt`, newer running requests give theirs up. Returns the tokens that got
+        pages, 0 for none."""
+        if not request.block_tables:
+            request.block_tables = self.blocks.new_tables()
+        while (granted := self.blocks.fit(request.block_tables, request.num_computed, num_new)) < num_new:
             victim = self.running[-1] if preempt and self.running else None
             if victim is None or victim is request:
-                return False
+                break
             self.preempt(victim)
-        if missing > 0:
-            request.block_table += self.blocks.allocate(missing)
-        return True
+        if granted:
+            self.blocks.allocate(request.block_tables, request.num_computed + granted)
+        return granted
 
     def preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -151,5 +156,5 @@ class Scheduler:
         self._release(request)
 
     def _release(self, request: Request) -> None:
-        self.blocks.free(request.block_table)
-        request.block_table, request.num_computed, request.num_published = [], 0, 0
+        self.blocks.free(request.block_tables)
+        request.block_tables, request.num_computed, request.num_published = [], 0, 0

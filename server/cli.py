@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="hybrid-serve", description="OpenAI-compatible server (/v1/chat/completions, /v1/completions, "
                                          "/v1/models, /health, /metrics) over one MoE model.")
     add_arguments(parser, ServerConfig)
-    add_arguments(parser, EngineConfig, skip=("max_model_len",))
+    add_arguments(parser, EngineConfig, skip=("max_model_len", "max_num_seqs", "max_num_batched_tokens"))
     return parser
 
 
@@ -40,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     try:
         config = from_namespace(ServerConfig, args, api_key=args.api_key or os.environ.get("HYBRID_API_KEY"))
-        engine_config = from_namespace(EngineConfig, args, max_model_len=args.context_length)
+        engine_config = from_namespace(EngineConfig, args, max_model_len=args.context_length,
+                                       max_num_seqs=args.max_running_requests)
         return serve(config, engine_config)
     except KeyboardInterrupt:
         return 130

@@ -37,20 +37,22 @@ def test_replay_equals_the_same_step_launched_eagerly_for_100_steps(converted):
     assert pool is not None
     assert any(isinstance(m, CpuExperts) for m in llm.model.modules())
     prompts = [prompt(n, seed=n) for n in (5, 17, 30)]  # 3 sequences: the bucket of 4 has a padding row
-    tables = [llm.blocks.allocate(16) for _ in prompts]  # 30 + 100 tokens fit in 16 pages of 16
+    tables = [llm.blocks.new_tables() for _ in prompts]
+    for table in tables:
+        llm.blocks.allocate(table, 30 + 100)  # every cache group's pages for the prompt and 100 steps
     computed = [0] * len(prompts)
     for p, table, i in zip(prompts, tables, range(3), strict=True):  # the prompts' KV, eagerly
-        llm._step(p[:-1], 0, table)
+        llm.runner.execute([SequenceSlice(0, len(p) - 1, table)], p[:-1])
         computed[i] = len(p) - 1
     tokens = [p[-1] for p in prompts]
     for step in range(100):
-        seqs = [SequenceSlice(computed[i], 1, tables[i]) for i in range(3)]
+        inputs = engine.runner.prepare([SequenceSlice(computed[i], 1, tables[i]) for i in range(3)])
         runner.pool = None
-        eager = runner.run_eagerly(seqs, tokens).clone()
+        eager = runner.run_eagerly(inputs, tokens).clone()
         torch.cuda.synchronize()
         runner.finish_step()
         runner.pool = pool
-        replayed = runner.run(seqs, tokens)
+        replayed = runner.run(inputs, tokens)
         torch.cuda.synchronize()
         runner.finish_step()
         assert torch.equal(replayed, eager), f"step {step}"

@@ -4,12 +4,14 @@ and running out of KV pages queues requests instead of failing them."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from checkpoints import SEEDS, VARIANTS, make_checkpoint, prompt
 from gpu_support import DEVICE
 
 from hybrid import LLM
-from hybrid.block_manager import PrefixCachingBlockManager
+from hybrid.block_manager import CacheGroupBlocks, PrefixCachingBlockManager
 from hybrid.engine import Engine
 from hybrid.sampling import SamplingParams, apply_penalties
 
@@ -135,7 +137,8 @@ def test_kv_exhaustion_queues_requests(checkpoint):
     and every one still gets its own tokens."""
     llm = LLM(checkpoint, device="cpu", dtype="float32", max_model_len=128)
     engine = Engine(llm, max_num_batched_tokens=64)
-    engine.blocks = engine.scheduler.blocks = PrefixCachingBlockManager(8, 16, enable_prefix_caching=False)
+    groups = [replace(group, num_blocks=8) for group in llm.blocks.groups]
+    engine.blocks = engine.scheduler.blocks = CacheGroupBlocks(groups, 16, enable_prefix_caching=False)
     ids = [engine.add_request(p, max_tokens=m, ignore_eos=True) for p, m in zip(PROMPTS, MAX_TOKENS, strict=True)]
     max_waiting = 0
     while engine.has_work():

@@ -119,7 +119,7 @@ def _paged_case(num_tokens: int, num_heads: int = 4, num_kv_heads: int = 2, head
                for h in (num_heads, num_kv_heads, num_kv_heads))
     num_blocks = -(-num_tokens // block)
     caches = tuple(torch.zeros(num_blocks, block, num_kv_heads, head_dim, device=device) for _ in range(2))
-    batch = ForwardBatch.build([SequenceSlice(0, num_tokens, list(range(num_blocks)))], block, device)
+    batch = ForwardBatch.build([SequenceSlice(0, num_tokens, [list(range(num_blocks))])], block, device)
     sinks = (torch.randn(num_heads, generator=gen) * 2).to(device)
     return q, k, v, caches, batch, sinks
 

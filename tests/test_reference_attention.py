@@ -35,7 +35,7 @@ def build_cache(seqs, block_size, num_kv, dim, num_blocks=128, seed=0):
     slices, contexts = [], []
     for computed, new in seqs:
         table = alloc.allocate(blocks_needed(computed + new, block_size))[::-1]
-        slices.append(SequenceSlice(computed, new, table))
+        slices.append(SequenceSlice(computed, new, [table]))
         k = torch.randn(computed + new, num_kv, dim, generator=gen)
         v = torch.randn(computed + new, num_kv, dim, generator=gen)
         for pos in range(computed):
@@ -86,7 +86,7 @@ def test_mla_reference_matches_expanded_attention():
     slices, latents = [], []
     for computed, new in seqs:
         table = alloc.allocate(blocks_needed(computed + new, block_size))
-        slices.append(SequenceSlice(computed, new, table))
+        slices.append(SequenceSlice(computed, new, [table]))
         lat = torch.randn(computed + new, rank + rope)
         for pos in range(computed):
             latent_cache[table[pos // block_size], pos % block_size, 0] = lat[pos]

@@ -20,14 +20,22 @@ def test_allocator_hands_out_and_takes_back():
 
 
 def test_forward_batch_positions_and_slots_cross_pages():
-    batch = ForwardBatch.build([SequenceSlice(3, 3, [7, 2]), SequenceSlice(0, 1, [5])], block_size=4, device="cpu")
+    seqs = [SequenceSlice(3, 3, [[7, 2], [1, 3]]), SequenceSlice(0, 1, [[5], [-1]])]  # two cache groups
+    with pytest.raises(ValueError, match="released from its window"):
+        ForwardBatch.build(seqs, block_size=4, device="cpu")
+    seqs[1] = SequenceSlice(0, 1, [[5], [0]])
+    batch = ForwardBatch.build(seqs, block_size=4, device="cpu")
     assert batch.positions.tolist() == [3, 4, 5, 0]
     assert batch.slot_mapping.tolist() == [7 * 4 + 3, 2 * 4 + 0, 2 * 4 + 1, 5 * 4]
     assert batch.query_start_loc.tolist() == [0, 3, 4] and batch.seq_lens.tolist() == [6, 1]
     assert batch.block_tables.tolist() == [[7, 2], [5, 0]]
     assert batch.last_token_indices().tolist() == [2, 3]
+    second = batch.for_group(1)  # what a layer of cache group 1 sees: its own slots and tables, shared lengths
+    assert second.slot_mapping.tolist() == [1 * 4 + 3, 3 * 4 + 0, 3 * 4 + 1, 0]
+    assert second.block_tables.tolist() == [[1, 3], [0, 0]] and second.positions is batch.positions
+    assert batch.for_group(1) is second and second.for_group(0).slot_mapping is batch.slot_mapping
     with pytest.raises(ValueError, match="too short"):
-        ForwardBatch.build([SequenceSlice(4, 1, [0])], block_size=4, device="cpu")
+        ForwardBatch.build([SequenceSlice(4, 1, [[0]])], block_size=4, device="cpu")
 
 
 def test_greedy_and_filters():

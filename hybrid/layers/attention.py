@@ -1,7 +1,7 @@
 """Grouped-query attention (Qwen, Mixtral, GLM, MiniMax, gpt-oss, MiMo): optional q/k/v bias, QK RMSNorm per head or
 over the whole projection (`AttentionConfig.qk_norm`), partial rotary, sliding window, attention sinks, a V head dim
-of its own (`v_head_dim`) and a V scale (`value_scale`). The paged KV cache is bound by the runner (`kv_cache`), the
-math lives in the backend."""
+of its own (`v_head_dim`) and a V scale (`value_scale`). The paged KV cache is bound by the runner (`kv_cache`,
+`cache_group`), the math lives in the backend."""
 
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ class GQAAttention(nn.Module):
         self.rotary = rotary
         self.backend = backend
         self.kv_cache: tuple[torch.Tensor, ...] = ()
+        self.cache_group = 0  # which cache group's pages hold this layer's KV (bound with the cache)
 
     def kv_cache_shapes(self) -> tuple[tuple[int, int], ...]:
         """Per-slot shapes of this layer's cache tensors: K as [kv_heads, head_dim], V as [kv_heads, v_head_dim]."""
@@ -52,5 +53,6 @@ class GQAAttention(nn.Module):
         q, k = self.rotary(batch.positions, q, k)
         # the kernels take float32 sinks; a bf16 checkpoint's values widen exactly
         sinks = self.sinks.float() if cfg.has_sinks else None
-        out = self.backend.gqa(q, k, v, self.kv_cache, batch, cfg.scale, cfg.sliding_window, sinks)
+        out = self.backend.gqa(q, k, v, self.kv_cache, batch.for_group(self.cache_group), cfg.scale,
+                               cfg.sliding_window, sinks)
         return self.o_proj(out.reshape(num_tokens, cfg.num_heads * cfg.v_head_dim))

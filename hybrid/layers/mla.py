@@ -37,6 +37,7 @@ class MLAAttention(nn.Module):
         self.rotary = rotary
         self.backend = backend
         self.kv_cache: tuple[torch.Tensor, ...] = ()
+        self.cache_group = 0  # which cache group's pages hold this layer's KV (bound with the cache)
 
     def kv_cache_shapes(self) -> tuple[tuple[int, int], ...]:
         return ((1, self.cfg.kv_lora_rank + self.cfg.qk_rope_head_dim),)
@@ -54,6 +55,7 @@ class MLAAttention(nn.Module):
         q_rope, k_rope = self.rotary(batch.positions, q_rope, k_rope.unsqueeze(1))  # k_rope: [T, 1, Dr]
         entry = torch.cat((latent, k_rope[:, 0]), dim=-1)  # [T, R + Dr]
         out = self.backend.mla(
-            q_nope, q_rope, entry, self.kv_cache, self.kv_b_proj.weight, batch, cfg.scale, cfg.v_head_dim
+            q_nope, q_rope, entry, self.kv_cache, self.kv_b_proj.weight, batch.for_group(self.cache_group), cfg.scale,
+            cfg.v_head_dim
         )
         return self.o_proj(out.reshape(num_tokens, cfg.num_heads * cfg.v_head_dim))

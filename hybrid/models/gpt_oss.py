@@ -3,7 +3,8 @@
 - Attention: GQA with q/k/v/o biases, head_dim from the config, NeoX rotary with YaRN (`truncate: false`), a learned
   per-head sink logit in every softmax denominator (`self_attn.sinks`), and per-layer `layer_types`: a
   `sliding_attention` layer sees its last `sliding_window` positions (itself included), a `full_attention` layer
-  all. The KV cache still holds every position for every layer: windowed layers only mask.
+  all. The windowed layers form their own cache group (`hybrid.cache_groups`), which gives back the pages a
+  running request's window has left behind.
 - MoE in every layer (`mlp.router`, `mlp.experts`): router logits with a bias, top-k on the logits, softmax over
   the k. The experts are stored fused as transformers writes them: `gate_up_proj` [E, H, 2I] with gate and up
   interleaved along 2I, `down_proj` [E, I, H], each with a bias; the activation is

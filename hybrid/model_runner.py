@@ -1,0 +1,93 @@
+"""The model runner: the one place a step's inputs are prepared and the model is run.
+
+Given the step's sequences (`SequenceSlice`: tokens already cached, tokens run now, one block table per cache
+group) it prepares positions, slot mappings and block tables (`StepInputs.prepare`), runs the forward pass eagerly
+or, for a decode step on CUDA, replays a captured graph whose static buffers are filled from the same prepared
+inputs (`hybrid.cuda_graphs`), and returns float32 logits of the rows asked for. The engine's steps
+(`Engine.step`), `LLM.prefill_logits` and, through the engine, `LLM.generate` all run here.
+
+Each LLM has an eager runner (`LLM.runner`); an engine that may replay graphs builds a runner of its own that
+owns the captured graphs (sized by its `max_num_seqs`), closed with the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from hybrid.forward_batch import ForwardBatch, SequenceSlice, StepInputs
+
+
+class ModelRunner:
+    def __init__(self, llm, max_graph_batch: int = 0):
+        """`max_graph_batch` > 0: capture decode graphs up to that batch (call only where `can_capture`)."""
+        self.llm = llm
+        self.model = llm.model
+        self.device = llm.engine_config.device
+        self.block_size = llm.engine_config.block_size
+        self.graphs = None
+        if max_graph_batch:
+            from hybrid.cuda_graphs import CudaGraphRunner
+
+            self.graphs = CudaGraphRunner(llm, max_graph_batch)
+            self.graphs.capture()
+
+    @staticmethod
+    def can_capture(llm) -> bool:
+        """Decode as CUDA graphs where they can run: CUDA, the Triton attention kernels (the PyTorch attention
+        loops over host lengths, which a graph would freeze), and `cuda_graph` left on."""
+        cfg = llm.engine_config
+        return cfg.cuda_graph and cfg.is_cuda and llm.backends.attention.name == "triton"
+
+    @classmethod
+    def for_engine(cls, llm, max_num_seqs: int, allow_cuda_graphs: bool) -> ModelRunner:
+        """The runner an engine steps through: one that captures graphs where they can run, else the LLM's own."""
+        if allow_cuda_graphs and cls.can_capture(llm):
+            return cls(llm, min(llm.engine_config.max_graph_batch, max_num_seqs))
+        return llm.runner
+
+    def prepare(self, seqs: Sequence[SequenceSlice]) -> StepInputs:
+        return StepInputs.prepare(seqs, self.block_size)
+
+    def execute_chunks(self, chunks) -> torch.Tensor:
+        """The engine's step (`hybrid.scheduler.ScheduledChunk`s) -> float32 logits [chunks that end at their
+        request's last token, V], in the chunks' order."""
+        seqs, input_ids, rows, row = [], [], [], -1
+        for chunk in chunks:
+            r = chunk.request
+            seqs.append(SequenceSlice(r.num_computed, chunk.num_new, r.block_tables))
+            input_ids += r.token_ids[r.num_computed:r.num_computed + chunk.num_new]
+            row += chunk.num_new
+            if chunk.is_last:
+                rows.append(row)
+        return self.execute(seqs, input_ids, rows)
+
+    def execute(self, seqs: Sequence[SequenceSlice], input_ids: list[int],
+                logit_rows: list[int] | None = None) -> torch.Tensor:
+        """One forward pass over the sequences' new tokens (`input_ids`, concatenated) -> float32 logits
+        [len(logit_rows), V] (every row where `logit_rows` is None). A decode step that samples every sequence
+        replays a graph where one is captured for its batch."""
+        self.llm.num_forward_tokens += len(input_ids)
+        graphs = self.graphs
+        is_decode = all(s.num_new == 1 for s in seqs) and (logit_rows is None or len(logit_rows) == len(seqs))
+        if graphs is not None and is_decode and graphs.can_run(len(seqs)):
+            return graphs.run(self.prepare(seqs), input_ids)
+        if graphs is not None:
+            graphs.park()
+        batch = ForwardBatch.from_inputs(self.prepare(seqs), self.block_size, self.device)
+        hidden = self.model(torch.tensor(input_ids, dtype=torch.int64, device=self.device), batch)
+        if logit_rows is None:
+            return self.model.compute_logits(hidden)
+        if not logit_rows:
+            return hidden.new_empty(0)
+        return self.model.compute_logits(hidden[torch.tensor(logit_rows, device=hidden.device)])
+
+    def finish_step(self) -> None:
+        """After the host has read the step's logits: a graph step's CPU side is checked."""
+        if self.graphs is not None:
+            self.graphs.finish_step()
+
+    def close(self) -> None:
+        if self.graphs is not None:
+            self.graphs.close()
