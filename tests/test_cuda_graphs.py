@@ -28,8 +28,37 @@ def converted(request, tmp_path_factory):
     return root / "dst"
 
 
+@pytest.fixture(scope="module", params=["gpt_oss", "mimo"])
+def mixed_layers(request, tmp_path_factory):
+    """Models of windowed and full layers (two cache groups, sinks) served from their plain checkpoints with CPU
+    experts: gpt-oss's published MXFP4 experts (its clamped, biased activation in the decode pool), MiMo's bf16
+    ones quantized at load."""
+    root = tmp_path_factory.mktemp(request.param)
+    if request.param == "gpt_oss":
+        from test_gpt_oss import _write_mxfp4, make_gpt_oss
+
+        _write_mxfp4(root, make_gpt_oss(root, head_dim=64))
+    else:
+        from test_mimo_v2_flash import make_mimo
+
+        make_mimo(root)
+    return root
+
+
 def test_replay_equals_the_same_step_launched_eagerly_for_100_steps(converted):
-    llm = LLM(converted, device="cuda", dtype="bfloat16", max_model_len=256)
+    check_replay_equals_eager(converted)
+
+
+def test_mixed_layers_replay_equals_eager_for_100_steps(mixed_layers):
+    check_replay_equals_eager(mixed_layers)
+
+
+def test_mixed_layers_graph_engine_generates_what_the_eager_engine_generates(mixed_layers):
+    test_graph_engine_generates_what_the_eager_engine_generates(mixed_layers)
+
+
+def check_replay_equals_eager(path):
+    llm = LLM(path, device="cuda", dtype="bfloat16", max_model_len=256)
     engine = Engine(llm, max_num_seqs=4)
     runner = engine.graph_runner
     assert runner is not None and sorted(runner.graphs) == [1, 2, 4]
