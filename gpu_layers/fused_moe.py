@@ -29,6 +29,7 @@ raises on them instead).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -42,6 +43,40 @@ FP8_MAX = tl.constexpr(448.0)  # largest finite float8_e4m3fn
 MIN_AMAX = tl.constexpr(1e-10)  # floor of an absmax, so an all-zero row gets a finite scale
 FP8_BLOCK = 128  # the only block shape of FP8 checkpoints: (128, 128)
 NO_QUANT, FP8_CHANNEL, FP8_BLOCKWISE = 0, 1, 2  # the kernels' QUANT constexpr
+
+
+@dataclass(frozen=True)
+class Activation:
+    """The GLU between the two GEMMs, a compile-time choice of the gate_up kernel. "silu": silu(gate) * up.
+    "swiglu_oai" (gpt-oss): (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)."""
+
+    kind: str = "silu"
+    alpha: float = 1.0
+    limit: float = 0.0
+
+    def __post_init__(self):
+        if self.kind not in ACTIVATIONS:
+            raise ValueError(f"activation kind must be one of {', '.join(ACTIVATIONS)}, got {self.kind!r}")
+        if self.kind == "swiglu_oai" and not self.limit > 0:
+            raise ValueError(f"swiglu_oai's limit must be positive, got {self.limit}")
+
+    def constexprs(self) -> dict:
+        # silu ignores alpha and limit: fixed values keep it one compiled variant
+        if self.kind == "silu":
+            return dict(ACTIVATION=0, ALPHA=1.0, LIMIT=0.0)
+        return dict(ACTIVATION=ACTIVATIONS.index(self.kind), ALPHA=float(self.alpha), LIMIT=float(self.limit))
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """The reference: the activation of float32 gate and up [N, I]."""
+        if self.kind == "silu":
+            return F.silu(gate) * up
+        gate = gate.clamp(max=self.limit)
+        return (up.clamp(-self.limit, self.limit) + 1) * gate * torch.sigmoid(self.alpha * gate)
+
+
+ACTIVATIONS = ("silu", "swiglu_oai")  # index = the kernel's ACTIVATION constexpr
+SILU = Activation()
+SWIGLU_OAI = Activation("swiglu_oai", alpha=1.702, limit=7.0)  # gpt-oss's constants
 
 
 class Tiles(NamedTuple):
@@ -95,11 +130,14 @@ def _group_scale(a):
 
 @triton.jit
 def moe_gate_up_kernel(
-    hidden, w, w_scale, a_scale, act, sorted_pair_ids, block_expert_ids,
+    hidden, w, w_scale, a_scale, bias, act, sorted_pair_ids, block_expert_ids,
     num_pairs, top_k, hidden_size, inter, stride_ht, stride_we, stride_wn, stride_se, stride_sn,
-    QUANT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    QUANT: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """act[rows, cols] = silu(x @ gate^T) * (x @ up^T) for one block of one expert's rows."""
+    """act[rows, cols] = glu(x @ gate^T + b_gate, x @ up^T + b_up) for one block of one expert's rows (`Activation`:
+    ACTIVATION 0 silu(gate) * up, 1 gpt-oss's clamped (up + 1) * gate * sigmoid(ALPHA * gate); bias [E, 2I] float32,
+    read only when HAS_BIAS)."""
     tl.static_assert(QUANT != 2 or BLOCK_K == 128)
     # Sizes and row strides are multiples of 16 (the launcher checks). Written as x // 16 * 16 the compiler can
     # prove it in every compile, not only in launches it specializes, so the loads are 16-byte vectors and
@@ -156,18 +194,28 @@ def moe_gate_up_kernel(
         s_up = tl.load(scales + (cols + inter) * stride_sn, mask=col_ok, other=0.0)
         acc_gate *= row_scale[:, None] * s_gate[None, :]
         acc_up *= row_scale[:, None] * s_up[None, :]
-    h = acc_gate * tl.sigmoid(acc_gate) * acc_up
+    if HAS_BIAS:
+        expert_bias = bias + expert * 2 * inter + cols
+        acc_gate += tl.load(expert_bias, mask=col_ok, other=0.0)[None, :]
+        acc_up += tl.load(expert_bias + inter, mask=col_ok, other=0.0)[None, :]
+    if ACTIVATION == 0:
+        h = acc_gate * tl.sigmoid(acc_gate) * acc_up
+    else:
+        gate = tl.minimum(acc_gate, LIMIT)
+        h = (tl.clamp(acc_up, -LIMIT, LIMIT) + 1.0) * gate * tl.sigmoid(ALPHA * gate)
     act_ptrs = act + rows[:, None].to(tl.int64) * inter + cols[None, :]
     tl.store(act_ptrs, h.to(act.dtype.element_ty), mask=col_ok[None, :])
 
 
 @triton.jit
 def moe_down_kernel(
-    act, w, w_scale, a_scale, topk_weights, y, sorted_pair_ids, block_expert_ids,
+    act, w, w_scale, a_scale, bias, topk_weights, y, sorted_pair_ids, block_expert_ids,
     num_pairs, hidden_size, inter, stride_we, stride_wn, stride_se, stride_sn,
-    QUANT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    QUANT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
-    """y[pairs, cols] = routing weight * (act @ down^T) for one block of one expert's rows."""
+    """y[pairs, cols] = routing weight * (act @ down^T + b_down) for one block of one expert's rows (bias [E, H]
+    float32, read only when HAS_BIAS)."""
     tl.static_assert(QUANT != 2 or BLOCK_K == 128)
     stride_wn, stride_we = stride_wn // 16 * 16, stride_we // 16 * 16  # multiples of 16: see moe_gate_up_kernel
     hidden_size, inter = hidden_size // 16 * 16, inter // 16 * 16
@@ -205,6 +253,8 @@ def moe_down_kernel(
     if QUANT == 1:
         s = tl.load(scales + cols * stride_sn, mask=col_ok, other=0.0)
         acc *= row_scale[:, None] * s[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias + expert * hidden_size + cols, mask=col_ok, other=0.0)[None, :]
     routing = tl.load(topk_weights + pairs, mask=row_ok, other=0.0)
     acc *= routing[:, None]
     y_ptrs = y + pairs[:, None].to(tl.int64) * hidden_size + cols[None, :]
@@ -313,11 +363,17 @@ def fused_moe(
     block_shape: tuple[int, int] | None = None,
     out: torch.Tensor | None = None,
     capability: int | None = None,
+    activation: Activation = SILU,
+    w_gate_up_bias: torch.Tensor | None = None,
+    w_down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """[T, H] = sum_k topk_weights[t, k] * down(silu(gate x) * up x) of expert topk_ids[t, k] (module docstring).
+    """[T, H] = sum_k topk_weights[t, k] * (down(activation(gate x + b_gate, up x + b_up)) + b_down) of expert
+    topk_ids[t, k] (module docstring). Biases are float32, w_gate_up_bias [E, 2I] in w_gate_up's row order (gate
+    then up), w_down_bias [E, H]; the routing weight multiplies the down bias too, as gpt-oss does.
     `capability` picks another config table (tests, benchmarks); by default the device's."""
     quant = _check_inputs(hidden, w_gate_up, w_down, topk_ids, topk_weights, w_gate_up_scale, w_down_scale,
                           block_shape, out)
+    _check_biases(hidden, w_gate_up, w_down, w_gate_up_bias, w_down_bias, activation)
     num_tokens, hidden_size = hidden.shape
     num_experts, inter = w_down.shape[0], w_down.shape[2]
     out = torch.empty_like(hidden) if out is None else out
@@ -334,22 +390,25 @@ def fused_moe(
     dummy = torch.empty(1, 1, 1, dtype=torch.float32, device=hidden.device)  # stands for unused scale arguments
     gu_scale = w_gate_up_scale if w_gate_up_scale is not None else dummy
     d_scale = w_down_scale if w_down_scale is not None else dummy
+    gu_bias = w_gate_up_bias if w_gate_up_bias is not None else dummy
+    d_bias = w_down_bias if w_down_bias is not None else dummy
 
     act = torch.empty(num_rows, inter, dtype=hidden.dtype, device=hidden.device)
     row_scale = _row_scale(hidden) if quant == FP8_CHANNEL else dummy
     grid = (num_rows // gate_up_tiles.block_m, triton.cdiv(inter, gate_up_tiles.block_n))
     moe_gate_up_kernel[grid](
-        hidden, w_gate_up, gu_scale, row_scale, act, sorted_pair_ids, block_experts,
+        hidden, w_gate_up, gu_scale, row_scale, gu_bias, act, sorted_pair_ids, block_experts,
         num_pairs, top_k, hidden_size, inter, hidden.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
-        gu_scale.stride(0), gu_scale.stride(1), **_launch_args(gate_up_tiles, quant),
+        gu_scale.stride(0), gu_scale.stride(1), HAS_BIAS=w_gate_up_bias is not None, **activation.constexprs(),
+        **_launch_args(gate_up_tiles, quant),
     )
     y = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
     row_scale = _row_scale(act) if quant == FP8_CHANNEL else dummy
     grid = (num_rows // down_tiles.block_m, triton.cdiv(hidden_size, down_tiles.block_n))
     moe_down_kernel[grid](
-        act, w_down, d_scale, row_scale, topk_weights, y, sorted_pair_ids, block_experts,
+        act, w_down, d_scale, row_scale, d_bias, topk_weights, y, sorted_pair_ids, block_experts,
         num_pairs, hidden_size, inter, w_down.stride(0), w_down.stride(1), d_scale.stride(0), d_scale.stride(1),
-        **_launch_args(down_tiles, quant),
+        HAS_BIAS=w_down_bias is not None, **_launch_args(down_tiles, quant),
     )
     block_h = select(SUM_BLOCK_H, cc)
     moe_sum_kernel[(num_tokens, triton.cdiv(hidden_size, block_h))](
@@ -432,6 +491,19 @@ def _check_inputs(hidden, w_gate_up, w_down, topk_ids, topk_weights, w_gate_up_s
     return FP8_BLOCKWISE if block_shape is not None else FP8_CHANNEL
 
 
+def _check_biases(hidden, w_gate_up, w_down, w_gate_up_bias, w_down_bias, activation):
+    """Raises ValueError naming a bias that is not contiguous float32 of its shape on hidden's device."""
+    if not isinstance(activation, Activation):
+        raise ValueError(f"activation must be a fused_moe.Activation, got {activation!r}")
+    num_experts, two_i, hidden_size = w_gate_up.shape
+    for name, bias, shape in (("w_gate_up_bias", w_gate_up_bias, (num_experts, two_i)),
+                              ("w_down_bias", w_down_bias, (num_experts, hidden_size))):
+        if bias is not None and (tuple(bias.shape) != shape or bias.dtype != torch.float32
+                                 or not bias.is_contiguous() or bias.device != hidden.device):
+            raise ValueError(f"{name} must be contiguous float32 {shape} on {hidden.device}, got "
+                             f"{tuple(bias.shape)} {bias.dtype} {bias.device}")
+
+
 def _scale_shape(weight_shape, block_shape) -> tuple[int, int, int]:
     num_experts, rows, cols = weight_shape
     if block_shape is None:
@@ -481,6 +553,9 @@ def fused_moe_reference(
     w_gate_up_scale: torch.Tensor | None = None,
     w_down_scale: torch.Tensor | None = None,
     block_shape: tuple[int, int] | None = None,
+    activation: Activation = SILU,
+    w_gate_up_bias: torch.Tensor | None = None,
+    w_down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain-PyTorch fused_moe in float32 on dequantized weights, rounding where the kernels round: FP8
     activations (per token, or per token per 128 columns with block scales), act and each pair's output in
@@ -498,8 +573,13 @@ def fused_moe_reference(
             raise IndexError(f"expert id {expert} out of range for {w_gate_up.shape[0]} experts")
         token_idx, k_idx = torch.where(topk_ids == expert)
         gate_up = quantize(hidden[token_idx].float()) @ w_gate_up[expert].float().T
-        act = (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]).to(hidden.dtype).float()
-        y = (quantize(act) @ w_down[expert].float().T) * topk_weights[token_idx, k_idx, None]
+        if w_gate_up_bias is not None:
+            gate_up += w_gate_up_bias[expert].float()
+        act = activation(gate_up[:, :inter], gate_up[:, inter:]).to(hidden.dtype).float()
+        y = quantize(act) @ w_down[expert].float().T
+        if w_down_bias is not None:
+            y += w_down_bias[expert].float()
+        y = y * topk_weights[token_idx, k_idx, None]
         out.index_add_(0, token_idx, y.to(hidden.dtype).float())
     return out.to(hidden.dtype)
 
@@ -512,6 +592,13 @@ _GATE_DTYPES = {  # variant -> (activation type, weight type, QUANT, CONFIGS wei
 }
 
 
+_GATE_UP_EPILOGUES = {  # every activation, with and without the bias
+    f"{activation.kind}{'+bias' if has_bias else ''}": {"HAS_BIAS": has_bias, **activation.constexprs()}
+    for activation in (SILU, SWIGLU_OAI) for has_bias in (False, True)
+}
+_DOWN_EPILOGUES = {"no-bias": {"HAS_BIAS": False}, "bias": {"HAS_BIAS": True}}
+
+
 def gate_cases() -> list[GateCase]:
     """Every (kernel, dtype variant, config) fused_moe can launch, for each capability in CONFIGS."""
     ints = dict.fromkeys(("num_pairs", "top_k", "hidden_size", "inter", "stride_ht", "stride_we", "stride_wn",
@@ -522,21 +609,24 @@ def gate_cases() -> list[GateCase]:
             for variant, (act_type, w_type, quant, key) in _GATE_DTYPES.items():
                 if key != weights:
                     continue
-                pointers = {"w": w_type, "w_scale": "*fp32", "a_scale": "*fp32", "sorted_pair_ids": "*i32",
-                            "block_expert_ids": "*i32"}
+                pointers = {"w": w_type, "w_scale": "*fp32", "a_scale": "*fp32", "bias": "*fp32",
+                            "sorted_pair_ids": "*i32", "block_expert_ids": "*i32"}
                 kernels = (
-                    (moe_gate_up_kernel, gate_up, {"hidden": act_type, **pointers, "act": act_type}),
-                    (moe_down_kernel, down, {"act": act_type, **pointers, "topk_weights": "*fp32", "y": act_type}),
+                    (moe_gate_up_kernel, gate_up, {"hidden": act_type, **pointers, "act": act_type},
+                     _GATE_UP_EPILOGUES),
+                    (moe_down_kernel, down, {"act": act_type, **pointers, "topk_weights": "*fp32", "y": act_type},
+                     _DOWN_EPILOGUES),
                 )
-                for kernel, tiles, signature in kernels:
+                for kernel, tiles, signature, epilogues in kernels:
                     names = kernel.arg_names
-                    types = {**signature, **ints, **dict.fromkeys(("QUANT", "BLOCK_M", "BLOCK_N", "BLOCK_K"),
-                                                                  "constexpr")}
+                    types = {**signature, **ints, **{name: "constexpr" for name in names if name.isupper()}}
                     constexprs = {"QUANT": quant, "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n,
                                   "BLOCK_K": tiles.block_k}
-                    cases.append(GateCase(
-                        kernel, {name: types[name] for name in names}, constexprs, cc,
-                        f"{kernel.fn.__name__} {variant} {regime} {tiles}", tiles.num_warps, tiles.num_stages))
+                    for epilogue_name, epilogue in epilogues.items():
+                        cases.append(GateCase(
+                            kernel, {name: types[name] for name in names}, {**constexprs, **epilogue}, cc,
+                            f"{kernel.fn.__name__} {variant} {epilogue_name} {regime} {tiles}", tiles.num_warps,
+                            tiles.num_stages))
         cases += _align_gate_cases(cc, sorted({gate_up.block_m for gate_up, _ in table.values()}))
         for dtype in ("bf16", "fp16"):
             signature = {"y": f"*{dtype}", "topk_ids": "*i32", "out": f"*{dtype}", "hidden_size": "i32", "top_k": "i32",
