@@ -10,7 +10,10 @@ Data flow (T tokens, H hidden, I intermediate, E local experts, K top-k, P = T*K
      shapes alone, so no grid depends on the routing and the whole call can be captured in a CUDA graph.
   2. moe_gate_up_kernel: per row block, act [R, I] = silu(x @ gate^T) * (x @ up^T). The gate and up tiles of
      the same output columns are multiplied in one program, so the unactivated [R, 2I] is never written.
-  3. moe_down_kernel: y [P, H] = routing weight * (act @ down^T), written at the pair's own row.
+     `Activation` picks the GLU at compile time: silu, or gpt-oss's swiglu_oai (clamped, up + 1); an optional
+     float32 bias [E, 2I] is added to both accumulators first.
+  3. moe_down_kernel: y [P, H] = routing weight * (act @ down^T + optional float32 bias [E, H]), written at the
+     pair's own row. Without biases the kernels load nothing more than the silu-only ones did (HAS_BIAS).
   4. moe_sum_kernel: out [T, H] = sum over k of y[t*K + k] where topk_ids[t, k] is a local expert.
   Steps 3-4 make the result deterministic (no float atomics): each pair's row is written once and the K rows
   of a token are summed in slot order. The extra y traffic is P*H*2 bytes, small against the weights read.
@@ -201,8 +204,12 @@ def moe_gate_up_kernel(
     if ACTIVATION == 0:
         h = acc_gate * tl.sigmoid(acc_gate) * acc_up
     else:
-        gate = tl.minimum(acc_gate, LIMIT)
-        h = (tl.clamp(acc_up, -LIMIT, LIMIT) + 1.0) * gate * tl.sigmoid(ALPHA * gate)
+        # selects rather than minimum/clamp: with those, SM90's FP8 block-scale prefill tiles (at 255 registers
+        # already) spilled
+        gate = tl.where(acc_gate < LIMIT, acc_gate, LIMIT)
+        up = tl.where(acc_up < LIMIT, acc_up, LIMIT)
+        up = tl.where(up > -LIMIT, up, -LIMIT)
+        h = (up + 1.0) * gate * tl.sigmoid(gate * ALPHA)
     act_ptrs = act + rows[:, None].to(tl.int64) * inter + cols[None, :]
     tl.store(act_ptrs, h.to(act.dtype.element_ty), mask=col_ok[None, :])
 
