@@ -32,54 +32,31 @@ raises on them instead).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from gpu_layers.capability import GateCase, capability_of, select
+from gpu_layers.fused_moe_reference import (  # noqa: F401 (the reference and FP8 helpers are part of this API)
+    ACTIVATIONS,
+    FP8_BLOCK,
+    SILU,
+    SWIGLU_OAI,
+    Activation,
+    dequantize_fp8_weights,
+    fake_quantize_activations,
+    fp8_scale,
+    fused_moe_reference,
+    quantize_fp8_weights,
+)
+from gpu_layers.fused_moe_reference import FP8_MAX as _FP8_MAX
+from gpu_layers.fused_moe_reference import MIN_AMAX as _MIN_AMAX
 
-FP8_MAX = tl.constexpr(448.0)  # largest finite float8_e4m3fn
-MIN_AMAX = tl.constexpr(1e-10)  # floor of an absmax, so an all-zero row gets a finite scale
-FP8_BLOCK = 128  # the only block shape of FP8 checkpoints: (128, 128)
+FP8_MAX = tl.constexpr(_FP8_MAX)  # largest finite float8_e4m3fn
+MIN_AMAX = tl.constexpr(_MIN_AMAX)  # floor of an absmax, so an all-zero row gets a finite scale
 NO_QUANT, FP8_CHANNEL, FP8_BLOCKWISE = 0, 1, 2  # the kernels' QUANT constexpr
-
-
-@dataclass(frozen=True)
-class Activation:
-    """The GLU between the two GEMMs, a compile-time choice of the gate_up kernel. "silu": silu(gate) * up.
-    "swiglu_oai" (gpt-oss): (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)."""
-
-    kind: str = "silu"
-    alpha: float = 1.0
-    limit: float = 0.0
-
-    def __post_init__(self):
-        if self.kind not in ACTIVATIONS:
-            raise ValueError(f"activation kind must be one of {', '.join(ACTIVATIONS)}, got {self.kind!r}")
-        if self.kind == "swiglu_oai" and not self.limit > 0:
-            raise ValueError(f"swiglu_oai's limit must be positive, got {self.limit}")
-
-    def constexprs(self) -> dict:
-        # silu ignores alpha and limit: fixed values keep it one compiled variant
-        if self.kind == "silu":
-            return dict(ACTIVATION=0, ALPHA=1.0, LIMIT=0.0)
-        return dict(ACTIVATION=ACTIVATIONS.index(self.kind), ALPHA=float(self.alpha), LIMIT=float(self.limit))
-
-    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """The reference: the activation of float32 gate and up [N, I]."""
-        if self.kind == "silu":
-            return F.silu(gate) * up
-        gate = gate.clamp(max=self.limit)
-        return (up.clamp(-self.limit, self.limit) + 1) * gate * torch.sigmoid(self.alpha * gate)
-
-
-ACTIVATIONS = ("silu", "swiglu_oai")  # index = the kernel's ACTIVATION constexpr
-SILU = Activation()
-SWIGLU_OAI = Activation("swiglu_oai", alpha=1.702, limit=7.0)  # gpt-oss's constants
 
 
 class Tiles(NamedTuple):
@@ -431,13 +408,7 @@ def _launch_args(tiles: Tiles, quant: int) -> dict:
 
 def _row_scale(x: torch.Tensor) -> torch.Tensor:
     """Per-row FP8 scale absmax / 448 in float32 (the per-token activation scale of per-channel weights)."""
-    return _fp8_scale(x.abs().amax(dim=-1))
-
-
-def _fp8_scale(amax: torch.Tensor) -> torch.Tensor:
-    """absmax / 448, correctly rounded like the kernels' div_rn. (Dividing by the Python number 448 would let
-    CUDA multiply by a rounded 1/448 instead: a scale one ulp off moves exact ties of the float8 rounding.)"""
-    return amax.float().clamp_min(MIN_AMAX.value) / torch.tensor(FP8_MAX.value, device=amax.device)
+    return fp8_scale(x.abs().amax(dim=-1))
 
 
 def _check_inputs(hidden, w_gate_up, w_down, topk_ids, topk_weights, w_gate_up_scale, w_down_scale, block_shape,
@@ -516,79 +487,6 @@ def _scale_shape(weight_shape, block_shape) -> tuple[int, int, int]:
     if block_shape is None:
         return (num_experts, rows, 1)
     return (num_experts, triton.cdiv(rows, block_shape[0]), triton.cdiv(cols, block_shape[1]))
-
-
-def quantize_fp8_weights(w: torch.Tensor, block_shape: tuple[int, int] | None = None):
-    """w [E, N, K] -> (float8_e4m3fn [E, N, K], float32 scale): [E, N, 1] per output channel, or
-    [E, ceil(N/bn), ceil(K/bk)] per block (w ~= fp8 * scale, the layout fused_moe takes)."""
-    num_experts, rows, cols = w.shape
-    bn, bk = block_shape or (1, cols)
-    padded = F.pad(w.float(), (0, -cols % bk, 0, -rows % bn))
-    blocks = padded.view(num_experts, padded.shape[1] // bn, bn, padded.shape[2] // bk, bk)
-    scale = _fp8_scale(blocks.abs().amax(dim=(2, 4)))  # [E, N/bn, K/bk]
-    quantized = (blocks / scale[:, :, None, :, None]).clamp(-FP8_MAX.value, FP8_MAX.value)
-    quantized = quantized.view_as(padded)[:, :rows, :cols].to(torch.float8_e4m3fn).contiguous()
-    return quantized, scale.contiguous()
-
-
-def dequantize_fp8_weights(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """float8 [E, N, K] * scale (per channel [E, N, 1] or per block [E, ceil(N/bn), ceil(K/bk)]) -> float32."""
-    if scale.shape[2] == 1 and scale.shape[1] == w.shape[1]:
-        return w.float() * scale
-    rows, cols = w.shape[1], w.shape[2]
-    full = scale.repeat_interleave(FP8_BLOCK, 1)[:, :rows].repeat_interleave(FP8_BLOCK, 2)[:, :, :cols]
-    return w.float() * full
-
-
-def fake_quantize_activations(x: torch.Tensor, group: int | None) -> torch.Tensor:
-    """x [M, N] float32 rounded through float8 e4m3 as the kernels do: one scale per row (group None) or per row
-    per `group` columns, scale = absmax / 448."""
-    cols = x.shape[1]
-    group = group or cols
-    padded = F.pad(x, (0, -cols % group)).view(x.shape[0], -1, group)
-    scale = _fp8_scale(padded.abs().amax(dim=-1, keepdim=True))
-    quantized = (padded * torch.reciprocal(scale)).clamp(-FP8_MAX.value, FP8_MAX.value).to(torch.float8_e4m3fn)
-    return (quantized.float() * scale).view(x.shape[0], -1)[:, :cols]
-
-
-def fused_moe_reference(
-    hidden: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    w_gate_up_scale: torch.Tensor | None = None,
-    w_down_scale: torch.Tensor | None = None,
-    block_shape: tuple[int, int] | None = None,
-    activation: Activation = SILU,
-    w_gate_up_bias: torch.Tensor | None = None,
-    w_down_bias: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Plain-PyTorch fused_moe in float32 on dequantized weights, rounding where the kernels round: FP8
-    activations (per token, or per token per 128 columns with block scales), act and each pair's output in
-    hidden's dtype. Raises IndexError on an id >= E."""
-    is_fp8 = w_gate_up.dtype == torch.float8_e4m3fn
-    if is_fp8:
-        w_gate_up = dequantize_fp8_weights(w_gate_up, w_gate_up_scale)
-        w_down = dequantize_fp8_weights(w_down, w_down_scale)
-    group = block_shape[1] if block_shape else None
-    quantize = (lambda x: fake_quantize_activations(x, group)) if is_fp8 else (lambda x: x)
-    inter = w_down.shape[2]
-    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
-    for expert in torch.unique(topk_ids[topk_ids >= 0]).tolist():
-        if expert >= w_gate_up.shape[0]:
-            raise IndexError(f"expert id {expert} out of range for {w_gate_up.shape[0]} experts")
-        token_idx, k_idx = torch.where(topk_ids == expert)
-        gate_up = quantize(hidden[token_idx].float()) @ w_gate_up[expert].float().T
-        if w_gate_up_bias is not None:
-            gate_up += w_gate_up_bias[expert].float()
-        act = activation(gate_up[:, :inter], gate_up[:, inter:]).to(hidden.dtype).float()
-        y = quantize(act) @ w_down[expert].float().T
-        if w_down_bias is not None:
-            y += w_down_bias[expert].float()
-        y = y * topk_weights[token_idx, k_idx, None]
-        out.index_add_(0, token_idx, y.to(hidden.dtype).float())
-    return out.to(hidden.dtype)
 
 
 _GATE_DTYPES = {  # variant -> (activation type, weight type, QUANT, CONFIGS weights key)
