@@ -10,7 +10,10 @@ Data flow (T tokens, H hidden, I intermediate, E local experts, K top-k, P = T*K
      shapes alone, so no grid depends on the routing and the whole call can be captured in a CUDA graph.
   2. moe_gate_up_kernel: per row block, act [R, I] = silu(x @ gate^T) * (x @ up^T). The gate and up tiles of
      the same output columns are multiplied in one program, so the unactivated [R, 2I] is never written.
-  3. moe_down_kernel: y [P, H] = routing weight * (act @ down^T), written at the pair's own row.
+     `Activation` picks the GLU at compile time: silu, or gpt-oss's swiglu_oai (clamped, up + 1); an optional
+     float32 bias [E, 2I] is added to both accumulators first.
+  3. moe_down_kernel: y [P, H] = routing weight * (act @ down^T + optional float32 bias [E, H]), written at the
+     pair's own row. Without biases the kernels load nothing more than the silu-only ones did (HAS_BIAS).
   4. moe_sum_kernel: out [T, H] = sum over k of y[t*K + k] where topk_ids[t, k] is a local expert.
   Steps 3-4 make the result deterministic (no float atomics): each pair's row is written once and the K rows
   of a token are summed in slot order. The extra y traffic is P*H*2 bytes, small against the weights read.
@@ -32,15 +35,27 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from gpu_layers.capability import GateCase, capability_of, select
+from gpu_layers.fused_moe_reference import (  # noqa: F401 (the reference and FP8 helpers are part of this API)
+    ACTIVATIONS,
+    FP8_BLOCK,
+    SILU,
+    SWIGLU_OAI,
+    Activation,
+    dequantize_fp8_weights,
+    fake_quantize_activations,
+    fp8_scale,
+    fused_moe_reference,
+    quantize_fp8_weights,
+)
+from gpu_layers.fused_moe_reference import FP8_MAX as _FP8_MAX
+from gpu_layers.fused_moe_reference import MIN_AMAX as _MIN_AMAX
 
-FP8_MAX = tl.constexpr(448.0)  # largest finite float8_e4m3fn
-MIN_AMAX = tl.constexpr(1e-10)  # floor of an absmax, so an all-zero row gets a finite scale
-FP8_BLOCK = 128  # the only block shape of FP8 checkpoints: (128, 128)
+FP8_MAX = tl.constexpr(_FP8_MAX)  # largest finite float8_e4m3fn
+MIN_AMAX = tl.constexpr(_MIN_AMAX)  # floor of an absmax, so an all-zero row gets a finite scale
 NO_QUANT, FP8_CHANNEL, FP8_BLOCKWISE = 0, 1, 2  # the kernels' QUANT constexpr
 
 
@@ -95,11 +110,14 @@ def _group_scale(a):
 
 @triton.jit
 def moe_gate_up_kernel(
-    hidden, w, w_scale, a_scale, act, sorted_pair_ids, block_expert_ids,
+    hidden, w, w_scale, a_scale, bias, act, sorted_pair_ids, block_expert_ids,
     num_pairs, top_k, hidden_size, inter, stride_ht, stride_we, stride_wn, stride_se, stride_sn,
-    QUANT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    QUANT: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """act[rows, cols] = silu(x @ gate^T) * (x @ up^T) for one block of one expert's rows."""
+    """act[rows, cols] = glu(x @ gate^T + b_gate, x @ up^T + b_up) for one block of one expert's rows (`Activation`:
+    ACTIVATION 0 silu(gate) * up, 1 gpt-oss's clamped (up + 1) * gate * sigmoid(ALPHA * gate); bias [E, 2I] float32,
+    read only when HAS_BIAS)."""
     tl.static_assert(QUANT != 2 or BLOCK_K == 128)
     # Sizes and row strides are multiples of 16 (the launcher checks). Written as x // 16 * 16 the compiler can
     # prove it in every compile, not only in launches it specializes, so the loads are 16-byte vectors and
@@ -156,18 +174,32 @@ def moe_gate_up_kernel(
         s_up = tl.load(scales + (cols + inter) * stride_sn, mask=col_ok, other=0.0)
         acc_gate *= row_scale[:, None] * s_gate[None, :]
         acc_up *= row_scale[:, None] * s_up[None, :]
-    h = acc_gate * tl.sigmoid(acc_gate) * acc_up
+    if HAS_BIAS:
+        expert_bias = bias + expert * 2 * inter + cols
+        acc_gate += tl.load(expert_bias, mask=col_ok, other=0.0)[None, :]
+        acc_up += tl.load(expert_bias + inter, mask=col_ok, other=0.0)[None, :]
+    if ACTIVATION == 0:
+        h = acc_gate * tl.sigmoid(acc_gate) * acc_up
+    else:
+        # selects rather than minimum/clamp: with those, SM90's FP8 block-scale prefill tiles (at 255 registers
+        # already) spilled
+        gate = tl.where(acc_gate < LIMIT, acc_gate, LIMIT)
+        up = tl.where(acc_up < LIMIT, acc_up, LIMIT)
+        up = tl.where(up > -LIMIT, up, -LIMIT)
+        h = (up + 1.0) * gate * tl.sigmoid(gate * ALPHA)
     act_ptrs = act + rows[:, None].to(tl.int64) * inter + cols[None, :]
     tl.store(act_ptrs, h.to(act.dtype.element_ty), mask=col_ok[None, :])
 
 
 @triton.jit
 def moe_down_kernel(
-    act, w, w_scale, a_scale, topk_weights, y, sorted_pair_ids, block_expert_ids,
+    act, w, w_scale, a_scale, bias, topk_weights, y, sorted_pair_ids, block_expert_ids,
     num_pairs, hidden_size, inter, stride_we, stride_wn, stride_se, stride_sn,
-    QUANT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    QUANT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
-    """y[pairs, cols] = routing weight * (act @ down^T) for one block of one expert's rows."""
+    """y[pairs, cols] = routing weight * (act @ down^T + b_down) for one block of one expert's rows (bias [E, H]
+    float32, read only when HAS_BIAS)."""
     tl.static_assert(QUANT != 2 or BLOCK_K == 128)
     stride_wn, stride_we = stride_wn // 16 * 16, stride_we // 16 * 16  # multiples of 16: see moe_gate_up_kernel
     hidden_size, inter = hidden_size // 16 * 16, inter // 16 * 16
@@ -205,6 +237,8 @@ def moe_down_kernel(
     if QUANT == 1:
         s = tl.load(scales + cols * stride_sn, mask=col_ok, other=0.0)
         acc *= row_scale[:, None] * s[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias + expert * hidden_size + cols, mask=col_ok, other=0.0)[None, :]
     routing = tl.load(topk_weights + pairs, mask=row_ok, other=0.0)
     acc *= routing[:, None]
     y_ptrs = y + pairs[:, None].to(tl.int64) * hidden_size + cols[None, :]
@@ -313,11 +347,17 @@ def fused_moe(
     block_shape: tuple[int, int] | None = None,
     out: torch.Tensor | None = None,
     capability: int | None = None,
+    activation: Activation = SILU,
+    w_gate_up_bias: torch.Tensor | None = None,
+    w_down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """[T, H] = sum_k topk_weights[t, k] * down(silu(gate x) * up x) of expert topk_ids[t, k] (module docstring).
+    """[T, H] = sum_k topk_weights[t, k] * (down(activation(gate x + b_gate, up x + b_up)) + b_down) of expert
+    topk_ids[t, k] (module docstring). Biases are float32, w_gate_up_bias [E, 2I] in w_gate_up's row order (gate
+    then up), w_down_bias [E, H]; the routing weight multiplies the down bias too, as gpt-oss does.
     `capability` picks another config table (tests, benchmarks); by default the device's."""
     quant = _check_inputs(hidden, w_gate_up, w_down, topk_ids, topk_weights, w_gate_up_scale, w_down_scale,
                           block_shape, out)
+    _check_biases(hidden, w_gate_up, w_down, w_gate_up_bias, w_down_bias, activation)
     num_tokens, hidden_size = hidden.shape
     num_experts, inter = w_down.shape[0], w_down.shape[2]
     out = torch.empty_like(hidden) if out is None else out
@@ -334,22 +374,25 @@ def fused_moe(
     dummy = torch.empty(1, 1, 1, dtype=torch.float32, device=hidden.device)  # stands for unused scale arguments
     gu_scale = w_gate_up_scale if w_gate_up_scale is not None else dummy
     d_scale = w_down_scale if w_down_scale is not None else dummy
+    gu_bias = w_gate_up_bias if w_gate_up_bias is not None else dummy
+    d_bias = w_down_bias if w_down_bias is not None else dummy
 
     act = torch.empty(num_rows, inter, dtype=hidden.dtype, device=hidden.device)
     row_scale = _row_scale(hidden) if quant == FP8_CHANNEL else dummy
     grid = (num_rows // gate_up_tiles.block_m, triton.cdiv(inter, gate_up_tiles.block_n))
     moe_gate_up_kernel[grid](
-        hidden, w_gate_up, gu_scale, row_scale, act, sorted_pair_ids, block_experts,
+        hidden, w_gate_up, gu_scale, row_scale, gu_bias, act, sorted_pair_ids, block_experts,
         num_pairs, top_k, hidden_size, inter, hidden.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
-        gu_scale.stride(0), gu_scale.stride(1), **_launch_args(gate_up_tiles, quant),
+        gu_scale.stride(0), gu_scale.stride(1), HAS_BIAS=w_gate_up_bias is not None, **activation.constexprs(),
+        **_launch_args(gate_up_tiles, quant),
     )
     y = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
     row_scale = _row_scale(act) if quant == FP8_CHANNEL else dummy
     grid = (num_rows // down_tiles.block_m, triton.cdiv(hidden_size, down_tiles.block_n))
     moe_down_kernel[grid](
-        act, w_down, d_scale, row_scale, topk_weights, y, sorted_pair_ids, block_experts,
+        act, w_down, d_scale, row_scale, d_bias, topk_weights, y, sorted_pair_ids, block_experts,
         num_pairs, hidden_size, inter, w_down.stride(0), w_down.stride(1), d_scale.stride(0), d_scale.stride(1),
-        **_launch_args(down_tiles, quant),
+        HAS_BIAS=w_down_bias is not None, **_launch_args(down_tiles, quant),
     )
     block_h = select(SUM_BLOCK_H, cc)
     moe_sum_kernel[(num_tokens, triton.cdiv(hidden_size, block_h))](
@@ -365,13 +408,7 @@ def _launch_args(tiles: Tiles, quant: int) -> dict:
 
 def _row_scale(x: torch.Tensor) -> torch.Tensor:
     """Per-row FP8 scale absmax / 448 in float32 (the per-token activation scale of per-channel weights)."""
-    return _fp8_scale(x.abs().amax(dim=-1))
-
-
-def _fp8_scale(amax: torch.Tensor) -> torch.Tensor:
-    """absmax / 448, correctly rounded like the kernels' div_rn. (Dividing by the Python number 448 would let
-    CUDA multiply by a rounded 1/448 instead: a scale one ulp off moves exact ties of the float8 rounding.)"""
-    return amax.float().clamp_min(MIN_AMAX.value) / torch.tensor(FP8_MAX.value, device=amax.device)
+    return fp8_scale(x.abs().amax(dim=-1))
 
 
 def _check_inputs(hidden, w_gate_up, w_down, topk_ids, topk_weights, w_gate_up_scale, w_down_scale, block_shape,
@@ -432,76 +469,24 @@ def _check_inputs(hidden, w_gate_up, w_down, topk_ids, topk_weights, w_gate_up_s
     return FP8_BLOCKWISE if block_shape is not None else FP8_CHANNEL
 
 
+def _check_biases(hidden, w_gate_up, w_down, w_gate_up_bias, w_down_bias, activation):
+    """Raises ValueError naming a bias that is not contiguous float32 of its shape on hidden's device."""
+    if not isinstance(activation, Activation):
+        raise ValueError(f"activation must be a fused_moe.Activation, got {activation!r}")
+    num_experts, two_i, hidden_size = w_gate_up.shape
+    for name, bias, shape in (("w_gate_up_bias", w_gate_up_bias, (num_experts, two_i)),
+                              ("w_down_bias", w_down_bias, (num_experts, hidden_size))):
+        if bias is not None and (tuple(bias.shape) != shape or bias.dtype != torch.float32
+                                 or not bias.is_contiguous() or bias.device != hidden.device):
+            raise ValueError(f"{name} must be contiguous float32 {shape} on {hidden.device}, got "
+                             f"{tuple(bias.shape)} {bias.dtype} {bias.device}")
+
+
 def _scale_shape(weight_shape, block_shape) -> tuple[int, int, int]:
     num_experts, rows, cols = weight_shape
     if block_shape is None:
         return (num_experts, rows, 1)
     return (num_experts, triton.cdiv(rows, block_shape[0]), triton.cdiv(cols, block_shape[1]))
-
-
-def quantize_fp8_weights(w: torch.Tensor, block_shape: tuple[int, int] | None = None):
-    """w [E, N, K] -> (float8_e4m3fn [E, N, K], float32 scale): [E, N, 1] per output channel, or
-    [E, ceil(N/bn), ceil(K/bk)] per block (w ~= fp8 * scale, the layout fused_moe takes)."""
-    num_experts, rows, cols = w.shape
-    bn, bk = block_shape or (1, cols)
-    padded = F.pad(w.float(), (0, -cols % bk, 0, -rows % bn))
-    blocks = padded.view(num_experts, padded.shape[1] // bn, bn, padded.shape[2] // bk, bk)
-    scale = _fp8_scale(blocks.abs().amax(dim=(2, 4)))  # [E, N/bn, K/bk]
-    quantized = (blocks / scale[:, :, None, :, None]).clamp(-FP8_MAX.value, FP8_MAX.value)
-    quantized = quantized.view_as(padded)[:, :rows, :cols].to(torch.float8_e4m3fn).contiguous()
-    return quantized, scale.contiguous()
-
-
-def dequantize_fp8_weights(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """float8 [E, N, K] * scale (per channel [E, N, 1] or per block [E, ceil(N/bn), ceil(K/bk)]) -> float32."""
-    if scale.shape[2] == 1 and scale.shape[1] == w.shape[1]:
-        return w.float() * scale
-    rows, cols = w.shape[1], w.shape[2]
-    full = scale.repeat_interleave(FP8_BLOCK, 1)[:, :rows].repeat_interleave(FP8_BLOCK, 2)[:, :, :cols]
-    return w.float() * full
-
-
-def fake_quantize_activations(x: torch.Tensor, group: int | None) -> torch.Tensor:
-    """x [M, N] float32 rounded through float8 e4m3 as the kernels do: one scale per row (group None) or per row
-    per `group` columns, scale = absmax / 448."""
-    cols = x.shape[1]
-    group = group or cols
-    padded = F.pad(x, (0, -cols % group)).view(x.shape[0], -1, group)
-    scale = _fp8_scale(padded.abs().amax(dim=-1, keepdim=True))
-    quantized = (padded * torch.reciprocal(scale)).clamp(-FP8_MAX.value, FP8_MAX.value).to(torch.float8_e4m3fn)
-    return (quantized.float() * scale).view(x.shape[0], -1)[:, :cols]
-
-
-def fused_moe_reference(
-    hidden: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    w_gate_up_scale: torch.Tensor | None = None,
-    w_down_scale: torch.Tensor | None = None,
-    block_shape: tuple[int, int] | None = None,
-) -> torch.Tensor:
-    """Plain-PyTorch fused_moe in float32 on dequantized weights, rounding where the kernels round: FP8
-    activations (per token, or per token per 128 columns with block scales), act and each pair's output in
-    hidden's dtype. Raises IndexError on an id >= E."""
-    is_fp8 = w_gate_up.dtype == torch.float8_e4m3fn
-    if is_fp8:
-        w_gate_up = dequantize_fp8_weights(w_gate_up, w_gate_up_scale)
-        w_down = dequantize_fp8_weights(w_down, w_down_scale)
-    group = block_shape[1] if block_shape else None
-    quantize = (lambda x: fake_quantize_activations(x, group)) if is_fp8 else (lambda x: x)
-    inter = w_down.shape[2]
-    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
-    for expert in torch.unique(topk_ids[topk_ids >= 0]).tolist():
-        if expert >= w_gate_up.shape[0]:
-            raise IndexError(f"expert id {expert} out of range for {w_gate_up.shape[0]} experts")
-        token_idx, k_idx = torch.where(topk_ids == expert)
-        gate_up = quantize(hidden[token_idx].float()) @ w_gate_up[expert].float().T
-        act = (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]).to(hidden.dtype).float()
-        y = (quantize(act) @ w_down[expert].float().T) * topk_weights[token_idx, k_idx, None]
-        out.index_add_(0, token_idx, y.to(hidden.dtype).float())
-    return out.to(hidden.dtype)
 
 
 _GATE_DTYPES = {  # variant -> (activation type, weight type, QUANT, CONFIGS weights key)
@@ -510,6 +495,13 @@ _GATE_DTYPES = {  # variant -> (activation type, weight type, QUANT, CONFIGS wei
     "fp8-channel": ("*bf16", "*fp8e4nv", FP8_CHANNEL, "fp8"),
     "fp8-block": ("*bf16", "*fp8e4nv", FP8_BLOCKWISE, "fp8"),
 }
+
+
+_GATE_UP_EPILOGUES = {  # every activation, with and without the bias
+    f"{activation.kind}{'+bias' if has_bias else ''}": {"HAS_BIAS": has_bias, **activation.constexprs()}
+    for activation in (SILU, SWIGLU_OAI) for has_bias in (False, True)
+}
+_DOWN_EPILOGUES = {"no-bias": {"HAS_BIAS": False}, "bias": {"HAS_BIAS": True}}
 
 
 def gate_cases() -> list[GateCase]:
@@ -522,21 +514,24 @@ def gate_cases() -> list[GateCase]:
             for variant, (act_type, w_type, quant, key) in _GATE_DTYPES.items():
                 if key != weights:
                     continue
-                pointers = {"w": w_type, "w_scale": "*fp32", "a_scale": "*fp32", "sorted_pair_ids": "*i32",
-                            "block_expert_ids": "*i32"}
+                pointers = {"w": w_type, "w_scale": "*fp32", "a_scale": "*fp32", "bias": "*fp32",
+                            "sorted_pair_ids": "*i32", "block_expert_ids": "*i32"}
                 kernels = (
-                    (moe_gate_up_kernel, gate_up, {"hidden": act_type, **pointers, "act": act_type}),
-                    (moe_down_kernel, down, {"act": act_type, **pointers, "topk_weights": "*fp32", "y": act_type}),
+                    (moe_gate_up_kernel, gate_up, {"hidden": act_type, **pointers, "act": act_type},
+                     _GATE_UP_EPILOGUES),
+                    (moe_down_kernel, down, {"act": act_type, **pointers, "topk_weights": "*fp32", "y": act_type},
+                     _DOWN_EPILOGUES),
                 )
-                for kernel, tiles, signature in kernels:
+                for kernel, tiles, signature, epilogues in kernels:
                     names = kernel.arg_names
-                    types = {**signature, **ints, **dict.fromkeys(("QUANT", "BLOCK_M", "BLOCK_N", "BLOCK_K"),
-                                                                  "constexpr")}
+                    types = {**signature, **ints, **{name: "constexpr" for name in names if name.isupper()}}
                     constexprs = {"QUANT": quant, "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n,
                                   "BLOCK_K": tiles.block_k}
-                    cases.append(GateCase(
-                        kernel, {name: types[name] for name in names}, constexprs, cc,
-                        f"{kernel.fn.__name__} {variant} {regime} {tiles}", tiles.num_warps, tiles.num_stages))
+                    for epilogue_name, epilogue in epilogues.items():
+                        cases.append(GateCase(
+                            kernel, {name: types[name] for name in names}, {**constexprs, **epilogue}, cc,
+                            f"{kernel.fn.__name__} {variant} {epilogue_name} {regime} {tiles}", tiles.num_warps,
+                            tiles.num_stages))
         cases += _align_gate_cases(cc, sorted({gate_up.block_m for gate_up, _ in table.values()}))
         for dtype in ("bf16", "fp16"):
             signature = {"y": f"*{dtype}", "topk_ids": "*i32", "out": f"*{dtype}", "hidden_size": "i32", "top_k": "i32",

@@ -1,5 +1,6 @@
 """gpu_layers.fused_moe against its plain-PyTorch reference: bf16/fp16 and FP8 (per-channel and 128x128 block
-scales) experts, the align step, ids that are not local, awkward shapes, and the launcher's argument checks."""
+scales) experts, gpt-oss's clamped activation with biases, the align step, ids that are not local, awkward shapes,
+and the launcher's argument checks."""
 
 import pytest
 import torch
@@ -49,12 +50,13 @@ def relative_error(actual, expected):
     return ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
 
 
-def run_and_check(hidden, w_gate_up, w_down, ids, weights, quant_args=None, capability=None):
+def run_and_check(hidden, w_gate_up, w_down, ids, weights, quant_args=None, capability=None, **epilogue):
     """The kernels against the reference: relative norm error 5e-3 for 16-bit weights; for FP8 1e-3 under the
     interpreter (the same arithmetic) and 2e-2 on a GPU, where Hopper's fp8 MMA adds 128 products in reduced
     precision and a changed group absmax re-rounds a whole group (the activations' own FP8 noise is ~3e-2)."""
-    quant_args = quant_args or {}
-    tight = (1e-3 if IS_INTERPRETED else 2e-2) if quant_args else 5e-3
+    quant_args = {**(quant_args or {}), **epilogue}  # epilogue: activation and biases, for both
+    is_fp8 = w_gate_up.dtype == torch.float8_e4m3fn
+    tight = (1e-3 if IS_INTERPRETED else 2e-2) if is_fp8 else 5e-3
     expected = fm.fused_moe_reference(hidden, w_gate_up, w_down, ids, weights, **quant_args)
     out = poisoned(*hidden.shape, dtype=hidden.dtype)
     result = fm.fused_moe(hidden, w_gate_up, w_down, ids, weights, out=out, capability=capability, **quant_args)
@@ -65,7 +67,7 @@ def run_and_check(hidden, w_gate_up, w_down, ids, weights, quant_args=None, capa
     # so the float8 rounding of the whole group; a few outputs in ten thousand then differ by more.
     atol = 2e-2 * expected.abs().max().item()
     outside = (out.float() - expected.float()).abs() > atol + 2e-2 * expected.float().abs()
-    assert outside.float().mean().item() <= (1e-3 if quant_args else 0.0), f"{outside.sum().item()} elements differ"
+    assert outside.float().mean().item() <= (1e-3 if is_fp8 else 0.0), f"{outside.sum().item()} elements differ"
     assert relative_error(out, expected) < tight
     return out
 
@@ -118,6 +120,80 @@ def test_ids_past_the_table_are_dropped():
     hidden = make_hidden(9, 80)
     expected = fm.fused_moe_reference(hidden, w_gate_up, w_down, torch.where(bad >= 4, -1, bad), weights)
     torch.testing.assert_close(fm.fused_moe(hidden, w_gate_up, w_down, bad, weights), expected, atol=3e-2, rtol=3e-2)
+
+
+SWIGLU_GAIN = 6.0  # hidden scaled so that a good share of gate/up values lies beyond swiglu_oai's clamp at 7
+
+
+def make_biases(num_experts, hidden_size, inter, seed=0):
+    """float32 gate_up bias [E, 2I] (gate then up) and down bias [E, H], O(1) like the GEMMs' outputs."""
+    gen = torch.Generator().manual_seed(seed)
+    gate_up = torch.randn(num_experts, 2 * inter, generator=gen) * 2
+    return {"w_gate_up_bias": gate_up.to(DEVICE), "w_down_bias": torch.randn(num_experts, hidden_size,
+                                                                             generator=gen).to(DEVICE)}
+
+
+def assert_crosses_clamp(hidden, w_gate_up, biases, ids):
+    """Both sides of the clamp are exercised: some pre-activations of the routed pairs lie beyond +-7, most not."""
+    token, slot = torch.where(ids >= 0)
+    pre = torch.einsum("ph,pnh->pn", hidden[token].float(), w_gate_up[ids[token, slot].long()].float())
+    pre += biases["w_gate_up_bias"][ids[token, slot].long()]
+    beyond = (pre.abs() > 7).float().mean().item()
+    assert 0.05 < beyond < 0.7, beyond
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_tokens, top_k, num_experts, num_skipped", [
+    (1, 2, 4, 0), (1, 4, 8, 1), (33, 4, 8, 9), (64, 2, 4, 0),
+])
+def test_swiglu_oai_with_biases(dtype, num_tokens, top_k, num_experts, num_skipped):
+    """gpt-oss's experts: clamped activation, both biases; H=80, I=48 (masked tails); decode and prefill tiles."""
+    w_gate_up, w_down = (w.to(dtype) for w in make_experts(num_experts, 80, 48, seed=num_tokens))
+    ids, weights = make_routing(num_tokens, top_k, num_experts, num_skipped, seed=num_tokens)
+    hidden = (make_hidden(num_tokens, 80, seed=num_tokens).float() * SWIGLU_GAIN).to(dtype)
+    biases = make_biases(num_experts, 80, 48, seed=num_tokens)
+    assert_crosses_clamp(hidden, w_gate_up, biases, ids)
+    run_and_check(hidden, w_gate_up, w_down, ids, weights, activation=fm.SWIGLU_OAI, **biases)
+
+
+@pytest.mark.parametrize("activation", [fm.SILU, fm.SWIGLU_OAI], ids=["silu", "swiglu_oai"])
+@pytest.mark.parametrize("bias_names", [(), ("w_gate_up_bias",), ("w_down_bias",)])
+def test_every_epilogue(activation, bias_names):
+    """Each activation with no bias or one of the two (the kernels' HAS_BIAS switches are independent)."""
+    w_gate_up, w_down = (w.bfloat16() for w in make_experts(8, 80, 48))
+    ids, weights = make_routing(17, 2, 8, num_skipped=3)
+    biases = {name: bias for name, bias in make_biases(8, 80, 48).items() if name in bias_names}
+    gain = SWIGLU_GAIN if activation.kind == "swiglu_oai" else 1.0  # silu's output stays O(1) like the biases
+    hidden = (make_hidden(17, 80).float() * gain).bfloat16()
+    run_and_check(hidden, w_gate_up, w_down, ids, weights, activation=activation, **biases)
+
+
+@pytest.mark.parametrize("capability", [89, 90, 120])
+def test_swiglu_oai_every_config_table(capability):
+    w_gate_up, w_down = (w.bfloat16() for w in make_experts(4, 144, 112))
+    ids, weights = make_routing(40, 2, 4, num_skipped=5)
+    hidden = (make_hidden(40, 144).float() * SWIGLU_GAIN).bfloat16()
+    run_and_check(hidden, w_gate_up, w_down, ids, weights, capability=capability, activation=fm.SWIGLU_OAI,
+                  **make_biases(4, 144, 112))
+
+
+@pytest.mark.parametrize("block_shape", [None, (128, 128)])
+def test_swiglu_oai_with_biases_fp8(block_shape):
+    """The same epilogue after the FP8 scales; I=192: a scale block holds the last gate rows and the first up
+    rows, whose biases come from the two halves of the bias row."""
+    w_gate_up, w_down = make_experts(4, 256, 192, seed=5)
+    ids, weights = make_routing(9, 2, 4, num_skipped=2, seed=5)
+    hidden = (make_hidden(9, 256, seed=5).float() * SWIGLU_GAIN).bfloat16()
+    biases = make_biases(4, 256, 192, seed=5)
+    gate_up, down, quant_args = quantized(w_gate_up, w_down, block_shape)
+    run_and_check(hidden, gate_up, down, ids, weights, quant_args, activation=fm.SWIGLU_OAI, **biases)
+
+
+def test_activation_spec_is_checked():
+    with pytest.raises(ValueError, match="activation kind"):
+        fm.Activation("gelu")
+    with pytest.raises(ValueError, match="limit"):
+        fm.Activation("swiglu_oai", alpha=1.702)
 
 
 @pytest.mark.parametrize("num_tokens, top_k, num_experts", [(1, 2, 4), (17, 8, 16), (64, 2, 8)])
@@ -216,10 +292,14 @@ def _bad_arguments():
         ("w_gate_up_scale", dict(good, w_gate_up=fp8_gu, w_down=fp8_d, **dict(q, block_shape=(128, 128)))),
         ("hidden", dict(good, hidden=hidden.half(), w_gate_up=fp8_gu, w_down=fp8_d, **q)),
         ("out", dict(good, out=torch.empty(3, 16, dtype=torch.bfloat16, device=DEVICE))),
+        ("w_gate_up_bias", dict(good, w_gate_up_bias=torch.zeros(4, 48, device=DEVICE))),
+        ("w_gate_up_bias", dict(good, w_gate_up_bias=torch.zeros(4, 96, dtype=torch.bfloat16, device=DEVICE))),
+        ("w_down_bias", dict(good, w_down_bias=torch.zeros(32, 4, device=DEVICE).t())),
+        ("activation", dict(good, activation="silu")),
     ]
 
 
-@pytest.mark.parametrize("case", range(15))
+@pytest.mark.parametrize("case", range(19))
 def test_bad_arguments_raise(case):
     name, kwargs = _bad_arguments()[case]
     with pytest.raises(ValueError, match=name):
@@ -236,7 +316,8 @@ def test_gate_cases_cover_every_kernel_and_config():
             assert gate_up.block_m == down.block_m  # they share the align step's row blocks
             assert weights != "fp8" or gate_up.block_k == down.block_k == 128  # one activation group per K tile
         num_block_ms = len({gate_up.block_m for gate_up, _ in table.values()})
-        assert sum(case.capability == cc for case in cases) == 4 * 2 * 2 + 2 + 2 + num_block_ms
+        # 4 dtype variants x 2 regimes; gate_up: 2 activations x bias or not, down: bias or not
+        assert sum(case.capability == cc for case in cases) == 4 * 2 * (2 * 2 + 2) + 2 + 2 + num_block_ms
     for case in cases:
         assert list(case.signature) == case.kernel.arg_names
 

@@ -9,10 +9,11 @@
   the k. The experts are stored fused as transformers writes them: `gate_up_proj` [E, H, 2I] with gate and up
   interleaved along 2I, `down_proj` [E, I, H], each with a bias; the activation is
   `(clamp(up, -7, 7) + 1) * g * sigmoid(1.702 * g)`, g = `clamp(gate, max=7)`, whatever `hidden_act` says.
-  With `expert_placement="device"` they run through the PyTorch reference on the engine's device (the fused-MoE
-  kernel does not compute this activation yet); with the CPU operator (`expert_placement="cpu"`, or a converted
-  directory) through `CpuExperts`, whose expert files carry the activation (`SWIGLU_OAI`) and the biases, read
-  from the checkpoint by `hybrid.native_experts.read_gpt_oss_layer` (published MXFP4 as stored, bf16 quantized).
+  On the engine's device (`expert_placement="device"`) they run through `gpu_layers.fused_moe` (activation
+  `swiglu_oai`, both biases) where the Triton kernels run in bf16/fp16, else through the PyTorch loop below; with
+  the CPU operator (`expert_placement="cpu"`, or a converted directory) through the layer's `RoutedExperts`, whose
+  expert files carry the activation (`SWIGLU_OAI`) and the biases, read from the checkpoint by
+  `hybrid.native_experts.read_gpt_oss_layer` (published MXFP4 as stored, bf16 quantized).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from hybrid.config import LayerSpec, ModelConfig, MoEConfig, RawConfig, common_f
 from hybrid.errors import ConfigError
 from hybrid.layers.backends import Backends, default_experts_factory, triton_experts_factory
 from hybrid.layers.moe import Router
+from hybrid.layers.ops import TORCH_OPS, DenseOps
 from hybrid.models.base import MoECausalLM
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -62,15 +64,55 @@ class GptOssRouter(Router):
         return torch.softmax(top_logits, dim=1, dtype=top_logits.dtype), ids
 
 
-class GptOssExperts(nn.Module):
-    """All of a layer's routed experts in the checkpoint's fused layout, computed in PyTorch."""
+def restack_gate_up(gate_up: torch.Tensor) -> torch.Tensor:
+    """One expert's checkpoint gate_up [H, 2I] (gate and up interleaved along 2I) -> the fused-MoE kernel's
+    [2I, H]: gate rows, then up rows. A new tensor."""
+    return torch.cat((gate_up[:, 0::2].T, gate_up[:, 1::2].T))
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+
+class GptOssExperts(nn.Module):
+    """All of a layer's routed experts, loaded in the checkpoint's fused layout. With the Triton ops in bf16/fp16
+    (`hybrid.layers.backends.uses_gemm_kernels`), `fuse_gate_up` (called once after loading) rewrites the weights
+    into the fused-MoE kernel's layout in their own storage: `w_gate_up` [E, 2I, H] (gate rows, then up rows) and
+    `w_down` [E, H, I]. `down_proj` stays a view of `w_down` in its checkpoint shape; `gate_up_proj` becomes the
+    view [E, H, I, 2] of `w_gate_up` (its `flatten(2)` is the checkpoint's [E, H, 2I]), since the interleaved
+    layout is no strided view of the stacked one. Otherwise the experts run in the PyTorch loop of `forward`."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, ops: DenseOps = TORCH_OPS):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden_size, 2 * intermediate_size))
         self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
         self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.ops = ops
+        self.w_gate_up: torch.Tensor | None = None  # the kernel's layout, once fused
+        self.w_down: torch.Tensor | None = None
+        self.w_gate_up_bias: torch.Tensor | None = None  # float32 [E, 2I], gate then up
+        self.w_down_bias: torch.Tensor | None = None  # float32 [E, H]
+        self.kernel_activation = None  # gpu_layers.fused_moe.Activation, once fused
+
+    def fuse_gate_up(self) -> None:
+        dtype = self.gate_up_proj.dtype
+        if self.w_gate_up is not None or not self.ops.is_fused_gate_up or dtype not in (torch.bfloat16, torch.float16):
+            return
+        from gpu_layers.fused_moe import Activation
+
+        num_experts, hidden_size, two_i = self.gate_up_proj.shape
+        # Expert by expert in place: a 120b layer's experts are GBs, so only one expert's copy is ever added
+        gate_up = self.gate_up_proj.data.contiguous()
+        w_gate_up = gate_up.view(num_experts, two_i, hidden_size)
+        down = self.down_proj.data.contiguous()
+        w_down = down.view(num_experts, hidden_size, two_i // 2)
+        for e in range(num_experts):
+            w_gate_up[e].copy_(restack_gate_up(gate_up[e]))  # the source is copied before its storage is written
+            w_down[e].copy_(down[e].T.clone())
+        self.gate_up_proj.data = w_gate_up.view(num_experts, 2, two_i // 2, hidden_size).permute(0, 3, 2, 1)
+        self.down_proj.data = w_down.transpose(1, 2)
+        bias = self.gate_up_proj_bias.data
+        self.w_gate_up_bias = torch.cat((bias[:, 0::2], bias[:, 1::2]), dim=1).float().contiguous()
+        self.w_down_bias = self.down_proj_bias.data.float().contiguous()
+        self.kernel_activation = Activation("swiglu_oai", alpha=SWIGLU_ALPHA, limit=SWIGLU_LIMIT)
+        self.w_gate_up, self.w_down = w_gate_up, w_down
 
     @staticmethod
     def activation(gate_up: torch.Tensor) -> torch.Tensor:
@@ -80,6 +122,12 @@ class GptOssExperts(nn.Module):
         return (up + 1) * (gate * torch.sigmoid(gate * SWIGLU_ALPHA))
 
     def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        if self.w_gate_up is not None:
+            from gpu_layers.fused_moe import fused_moe
+
+            return fused_moe(hidden, self.w_gate_up, self.w_down, topk_ids, topk_weights.float().contiguous(),
+                             activation=self.kernel_activation, w_gate_up_bias=self.w_gate_up_bias,
+                             w_down_bias=self.w_down_bias)
         out = torch.zeros_like(hidden)
         for expert in topk_ids.unique().tolist():
             if expert < 0:  # padding
@@ -98,7 +146,7 @@ class GptOssMLP(nn.Module):
     def __init__(self, hidden_size: int, moe: MoEConfig, ops, experts: nn.Module | None = None):
         super().__init__()
         self.router = GptOssRouter(hidden_size, moe, ops)
-        self.experts = experts or GptOssExperts(moe.num_experts, hidden_size, moe.intermediate_size)
+        self.experts = experts or GptOssExperts(moe.num_experts, hidden_size, moe.intermediate_size, ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.router(x)
