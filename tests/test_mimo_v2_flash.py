@@ -18,7 +18,6 @@ import pytest
 import torch
 import transformers
 from checkpoints import build_model, hf_generate, hf_logits, prompt
-from float_checkpoints import round_expert_inputs
 from safetensors.torch import load_file, save_file
 from test_direct_serving import FLOAT_FORMAT_TOL, _float_kernels_available
 from test_fp8_checkpoint import REL_TOL, build_fp8_checkpoint, load_reference
@@ -254,6 +253,8 @@ def test_fp8_checkpoint_matches_the_dequantized_reference(mimo_fp8):
 
 @pytest.mark.skipif(not _float_kernels_available("fp8"), reason="the FP8 CPU kernels are not merged yet")
 def test_fp8_experts_run_as_stored_on_the_cpu_operator(mimo_fp8, tmp_path):
+    from float_checkpoints import round_expert_inputs  # needs compressed-tensors (the test extra)
+
     from cpu_experts.module import CpuExperts
 
     ref = round_expert_inputs(load_reference(mimo_fp8["cfg"], mimo_fp8["dequantized"], tmp_path))
