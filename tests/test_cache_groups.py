@@ -349,7 +349,7 @@ def test_gpt_oss_graph_engine_matches_eager_with_window_groups(tmp_path):
     prompts = [prompt(n, seed=60 + n) for n in (5, 19, 23, 40)]
     outputs = {}
     for is_graph in (False, True):
-        llm = LLM(tmp_path, device="cuda", dtype="float32", kernels="triton", expert_placement="device",
+        llm = LLM(tmp_path, device="cuda", dtype="bfloat16", kernels="triton", expert_placement="device",
                   cuda_graph=is_graph, enable_prefix_caching=False, max_model_len=128)
         assert llm.backends.attention.name == "triton" and len(llm.blocks.groups) == 2
         engine = Engine(llm, max_num_batched_tokens=16, max_num_seqs=4)
