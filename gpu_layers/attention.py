@@ -61,7 +61,8 @@ ASYMMETRIC_HEAD_DIMS = ((192, 128),)
 
 # Configs are keyed by (head dim padded to a power of two, bytes per element). fp32 is the exact test and
 # debugging path: its "ieee" dots run on the FMA units with operands in registers, so it takes small tiles and one
-# stage (the warp counts are whatever ptxas compiles without a spill on each target).
+# stage (the warp counts are whatever ptxas compiles without a spill on each target; the windowed prefill's load
+# bound, which keeps released pages unread, took sm_90's D=256 and sm_120's D=128 fp32 tiles from 4 to 8 warps).
 # Decode: (BLOCK_N, num_warps, num_stages). K and V tiles are gathered with 16-byte cp.async into shared memory.
 _DECODE_FP32 = {(64, 4): (32, 4, 1), (128, 4): (16, 4, 1), (256, 4): (16, 4, 1)}
 DECODE_CONFIGS = {
@@ -74,9 +75,9 @@ PREFILL_CONFIGS = {
     89: {(64, 2): (128, 64, 8, 2), (128, 2): (128, 64, 8, 2), (256, 2): (64, 32, 8, 2),
          (64, 4): (32, 16, 4, 1), (128, 4): (16, 16, 8, 1), (256, 4): (16, 16, 8, 1)},
     90: {(64, 2): (128, 128, 8, 2), (128, 2): (128, 128, 8, 2), (256, 2): (64, 64, 8, 3),
-         (64, 4): (32, 16, 4, 1), (128, 4): (16, 16, 8, 1), (256, 4): (16, 16, 4, 1)},
+         (64, 4): (32, 16, 4, 1), (128, 4): (16, 16, 8, 1), (256, 4): (16, 16, 8, 1)},
     120: {(64, 2): (128, 64, 8, 2), (128, 2): (128, 64, 8, 2), (256, 2): (64, 32, 8, 2),
-          (64, 4): (32, 16, 4, 1), (128, 4): (16, 16, 4, 1), (256, 4): (16, 16, 8, 1)},
+          (64, 4): (32, 16, 4, 1), (128, 4): (16, 16, 8, 1), (256, 4): (16, 16, 8, 1)},
 }
 REDUCE_CONFIG = (4, 1)  # (num_warps, num_stages): a tiny memory-bound combine, the same everywhere
 

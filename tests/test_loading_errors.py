@@ -24,7 +24,7 @@ transformers.logging.set_verbosity_error()
 
 REGISTERED = {"Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "DeepseekV3ForCausalLM",
               "DeepseekV2ForCausalLM", "Glm4MoeForCausalLM", "KimiK25ForConditionalGeneration", "MiniMaxM2ForCausalLM",
-              "Glm4MoeLiteForCausalLM", "GptOssForCausalLM"}
+              "Glm4MoeLiteForCausalLM", "GptOssForCausalLM", "MiMoV2FlashForCausalLM"}
 
 
 @pytest.fixture(scope="module")
