@@ -17,7 +17,8 @@ Pieces:
 - `StreamedPrefill`, a part of a layer's `hybrid.routed_experts.RoutedExperts`: the eager steps of at least
   `min_tokens` tokens run here, per unit: int8/int4 weights -> bf16 (`gpu_layers.dequant`, gate and up side by
   side in one [c, 2Ip, H] table) -> `gpu_layers.fused_moe` with the ids shifted by `first` (ids outside the unit
-  count as elsewhere); the units' outputs add up in float32. Smaller steps (decode) and graph steps go to the CPU.
+  count as elsewhere) and the layer's activation and biases (gpt-oss: the gate/up biases in every unit, the down
+  bias with partition 0's); the units' outputs add up in float32. Smaller steps (decode) and graph steps go to the CPU.
   The activations stay in the model's dtype (the CPU path's int8 activation rounding does not apply). Layers whose
   weights could not be page-locked stay on the CPU.
 """
@@ -33,7 +34,7 @@ import torch
 from cpu_experts.module import CpuExperts
 from cpu_experts.packed import PackedLayer
 from gpu_layers.dequant import dequantize_int4, dequantize_int8
-from gpu_layers.fused_moe import fused_moe
+from gpu_layers.fused_moe import Activation, fused_moe
 from hybrid.engine_config import EngineConfig
 
 STREAMED_DTYPES = ("int8", "int4", "bf16")
@@ -169,6 +170,7 @@ class StreamedPrefill:
         self.device = torch.device(device)
         self.stream: ExpertStream | None = None
         self.units = range(0)
+        self._device_down_bias: torch.Tensor | None = None
 
     @property
     def is_streamable(self) -> bool:
@@ -201,14 +203,28 @@ class StreamedPrefill:
         ids = topk_ids.to(torch.int32)
         weights = topk_weights.float().contiguous()
         hidden = hidden.to(torch.bfloat16).contiguous()  # the tables are bf16; no copy when it already is
+        spec = self.cpu_experts.op.layer.spec
+        activation = Activation(spec.activation.kind, spec.activation.alpha, spec.activation.limit)
         out = None
         for index in self.units:
             unit = self.stream.units[index]
-            gate_up, down = self._bf16_tables(self.stream.acquire(index), unit.layer.spec.group_size)
-            part = fused_moe(hidden, gate_up, down, ids - unit.first, weights).float()
+            arrays = self.stream.acquire(index)
+            gate_up, down = self._bf16_tables(arrays, spec.group_size)
+            gate_up_bias = down_bias = None
+            if spec.has_bias:  # gate/up rows of this partition; the down bias once per expert, with partition 0
+                gate_up_bias = torch.cat([arrays["gate_bias"], arrays["up_bias"]], dim=1)  # [c, 2Ip]
+                down_bias = self._down_bias(hidden.device)[unit.first:unit.last] if unit.partition == 0 else None
+            part = fused_moe(hidden, gate_up, down, ids - unit.first, weights, activation=activation,
+                             w_gate_up_bias=gate_up_bias, w_down_bias=down_bias).float()
             self.stream.release(index)
             out = part if out is None else out.add_(part)
         return out.to(dtype)
+
+    def _down_bias(self, device: torch.device) -> torch.Tensor:
+        """The layer's down bias [E, H] float32 on the device (a few MB, copied once)."""
+        if self._device_down_bias is None:
+            self._device_down_bias = torch.from_numpy(self.cpu_experts.op.layer.down_bias).to(device)
+        return self._device_down_bias
 
     @staticmethod
     def _bf16_tables(arrays: dict[str, torch.Tensor], group_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,7 +12,7 @@ from checkpoints import SEEDS, VARIANTS, kimi_k2_config, make_checkpoint, prompt
 from gpu_support import DEVICE, poisoned
 
 from cpu_experts import formats
-from cpu_experts.expert_file import ExpertLayerSpec
+from cpu_experts.expert_file import SWIGLU_OAI, ExpertLayerSpec
 from cpu_experts.module import CpuExperts
 from cpu_experts.packed import PackedLayer
 from gpu_layers.dequant import dequantize_int4, dequantize_int4_reference, dequantize_int8, dequantize_int8_reference
@@ -35,13 +35,21 @@ def converted(source, tmp_path, *args):
     return tmp_path / "dst"
 
 
-def cpu_layer(seed: int, dtype: str, group_size: int, num_experts=7, hidden_size=64, inter=96) -> CpuExperts:
-    """A CpuExperts over random experts in two partitions, computing in float (exact to the stored weights)."""
+def cpu_layer(seed: int, dtype: str, group_size: int, num_experts=7, hidden_size=64, inter=96,
+              is_gpt_oss: bool = False) -> CpuExperts:
+    """A CpuExperts over random experts in two partitions, computing in float (exact to the stored weights);
+    `is_gpt_oss`: gpt-oss's clamped activation with random biases, gate/up large enough to reach the clamp."""
     g = torch.Generator().manual_seed(seed)
-    gate, up = (torch.randn(num_experts, inter, hidden_size, generator=g) / 8 for _ in range(2))
+    gain = 1.5 if is_gpt_oss else 1 / 8
+    gate, up = (torch.randn(num_experts, inter, hidden_size, generator=g) * gain for _ in range(2))
     down = torch.randn(num_experts, hidden_size, inter, generator=g) / 8
+    extra = {}
+    if is_gpt_oss:
+        extra = dict(activation=SWIGLU_OAI, biases=(torch.randn(num_experts, inter, generator=g),
+                                                    torch.randn(num_experts, inter, generator=g),
+                                                    torch.randn(num_experts, hidden_size, generator=g)))
     module = CpuExperts(0, int8_activations=False)
-    module.load(PackedLayer.from_float(gate, up, down, dtype, group_size, num_partitions=2))
+    module.load(PackedLayer.from_float(gate, up, down, dtype, group_size, num_partitions=2, **extra))
     assert len(module.op.layer.partitions) == 2
     return module
 
@@ -105,6 +113,20 @@ def test_streamed_layer_matches_the_cpu_operator(dtype, group_size):
         assert all(sum(a.nbytes for a in u.arrays().values()) <= 3 * per_expert for u in units)
     assert [u.last for u in stream.units if u.partition == 0] == [3, 6, 7]
     assert close(on_device(streamed, hidden, ids, weights), module.op(hidden, ids, weights))
+
+
+@pytest.mark.parametrize("dtype,group_size", [("int8", 0), ("bf16", 0)])
+def test_streamed_gpt_oss_layer_keeps_its_activation_and_biases(dtype, group_size):
+    """gpt-oss's experts streamed: the clamped activation and the gate/up biases in every unit, the down bias once
+    per expert (units of both partitions add up), as the CPU operator computes them."""
+    module = cpu_layer(1, dtype, group_size, is_gpt_oss=True)
+    hidden, ids, weights = routed(19)
+    streamed = StreamedPrefill(module, min_tokens=1, device=DEVICE)
+    assert streamed.attach(ExpertStream(DEVICE), chunk_bytes=3 * module.op.layer.expert_bytes(), pin=False) > 0
+    want = module.op(hidden, ids, weights)
+    assert close(on_device(streamed, hidden, ids, weights), want)
+    plain = cpu_layer(1, dtype, group_size)  # the silu layer of other weights: far off, so the check can fail
+    assert not close(plain.op(hidden, ids, weights), want)
 
 
 def test_a_ring_of_two_slots_serves_every_layer_every_step():
