@@ -86,6 +86,10 @@ def build_plan(source: str | Path, allow_nonfinite: bool = False) -> Plan:
         raise ConfigError(f"{source}: already a hybrid-convert output ({MANIFEST_FILE} present); convert the "
                           "original HuggingFace checkpoint instead")
     cls, config = load_model_config(source)
+    if hasattr(cls, "fused_experts_prefix"):  # one fused tensor per projection, not per expert (gpt-oss)
+        raise ConfigError(f"{source}: {config.architecture} keeps its experts fused, which hybrid-convert does not "
+                          "read; serve the checkpoint directly (hybrid-serve MODEL, expert_placement cpu: its MXFP4 "
+                          "experts run as published, bf16 ones are quantized at load)")
     with torch.device("meta"):
         model = cls(config)
     ckpt = Checkpoint.open(source, config.fp8_block_size, config.compressed_tensors,

@@ -98,6 +98,16 @@ def test_unknown_architecture(src, capsys, tmp_path):
     assert "NotAMoeForCausalLM" in line, line
 
 
+def test_fused_experts_are_refused_with_the_way_to_serve_them(capsys, tmp_path):
+    """gpt-oss keeps each layer's experts as fused tensors: one line saying to serve the checkpoint directly."""
+    from test_gpt_oss import make_gpt_oss
+
+    make_gpt_oss(tmp_path / "src")
+    line = fails(capsys, tmp_path / "src", tmp_path / "out")
+    assert "GptOssForCausalLM keeps its experts fused" in line and "serve the checkpoint directly" in line, line
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("breakage, name", [
     ("missing", "model.layers.2.self_attn.k_proj.weight"),
     ("missing", "model.layers.3.mlp.experts.5.down_proj.weight"),
