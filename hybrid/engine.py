@@ -91,6 +91,10 @@ class Engine:
         self.llm._check_prompt(prompt_ids, max_tokens)
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        outside = [t for t, _ in params.logit_bias if t >= self.llm.config.vocab_size]
+        if outside:
+            raise ValueError(f"logit_bias token id {outside[0]} is outside the vocabulary [0, "
+                             f"{self.llm.config.vocab_size})")
         if stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer: build the engine with Engine(llm, tokenizer=...)")
         stops = set(stop_token_ids or ()) | (set() if ignore_eos else set(self.llm.config.eos_token_ids))

@@ -1,6 +1,6 @@
 """Token sampling from float32 logits: greedy, or temperature with top-k, top-p and min-p filtering; repetition
 (HF's: seen tokens' logits divided, or multiplied when negative), presence and frequency (OpenAI's: subtracted per
-generated token) penalties applied first.
+generated token) penalties applied first, then OpenAI's logit_bias (added to its tokens' logits).
 
 `sample_batch` is what the engine runs: every row of a step at once on the logits' device, with one
 device-to-host transfer for the tokens and their logprobs. `sample` and `apply_penalties` are the one-parameter-set
@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for one token's bias: +-100 forces or bans it
+MAX_LOGIT_BIAS_TOKENS = 300  # OpenAI's limit on the tokens one request biases
 # Temperatures below this are greedy (as in vLLM): dividing float32 logits by them overflows to inf.
 GREEDY_TEMPERATURE = 1e-5
 NON_FINITE_LOGITS = "the logits are NaN or inf (the model's output, or penalties applied to it)"
@@ -40,6 +42,8 @@ class SamplingParams:
     presence_penalty: float = 0.0  # subtracted once from every token already generated
     frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens
     logprobs: int | None = None  # None: none; 0: the sampled token's; k: also the k most likely tokens'
+    # OpenAI's logit_bias: (token id, bias) pairs, each bias added to its token's logit after the penalties
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
@@ -59,6 +63,13 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be None or in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+            raise ValueError(f"logit_bias may bias at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(self.logit_bias)}")
+        for token, bias in self.logit_bias:
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise ValueError(f"logit_bias keys must be token ids >= 0, got {token!r}")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token}")
 
     @property
     def has_penalties(self) -> bool:
@@ -113,7 +124,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
 
 def apply_penalties(logits: torch.Tensor, prompt_ids: list[int], output_ids: list[int],
                     params: SamplingParams) -> torch.Tensor:
-    """logits [V] float32 of one sequence -> penalised copy."""
+    """logits [V] float32 of one sequence -> penalised copy, its logit bias added last."""
     logits = logits.clone()
     if params.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=logits.device)
@@ -123,6 +134,8 @@ def apply_penalties(logits: torch.Tensor, prompt_ids: list[int], output_ids: lis
         ids = torch.tensor(output_ids, dtype=torch.long, device=logits.device)
         counts = torch.zeros_like(logits).index_add_(0, ids, torch.ones_like(ids, dtype=logits.dtype))
         logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
+    for token, bias in params.logit_bias:
+        logits[token] += bias
     return logits
 
 
@@ -146,7 +159,7 @@ def sample_batch(logits: torch.Tensor, rows: Sequence[RowInputs],
     a CUDA step waits for the GPU once."""
     if not rows:
         return SampleResult([], [], [], [])
-    logits = apply_penalties_batch(logits, rows)
+    logits = apply_logit_bias_batch(apply_penalties_batch(logits, rows), rows)
     is_finite = torch.isfinite(logits).all(dim=-1)  # [N]
     tokens = logits.argmax(dim=-1)  # [N]: the greedy rows' tokens; the random rows' are replaced below
     random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
@@ -198,6 +211,24 @@ def apply_penalties_batch(logits: torch.Tensor, rows: Sequence[RowInputs]) -> to
     counts = counts.view_as(sub)
     sub = sub - (frequency * counts + presence * (counts > 0).to(sub.dtype))
     return logits.index_copy(0, index, sub)
+
+
+def apply_logit_bias_batch(logits: torch.Tensor, rows: Sequence[RowInputs]) -> torch.Tensor:
+    """logits [N, V] -> a copy with each row's logit bias added (`logits` itself when no row has one): one
+    index_add over the flat (row * V + token) positions, built on the host and copied without a sync. The token
+    ids are the engine's to check against V when the request arrives (`Engine.add_request`)."""
+    flat: list[int] = []
+    values: list[float] = []
+    num_vocab = logits.shape[-1]
+    for i, row in enumerate(rows):
+        for token, bias in row.params.logit_bias:
+            flat.append(i * num_vocab + token)
+            values.append(bias)
+    if not flat:
+        return logits
+    biased = logits.reshape(-1).index_add(0, _to_device(flat, torch.long, logits.device),
+                                          _to_device(values, logits.dtype, logits.device))
+    return biased.view_as(logits)
 
 
 def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """The OpenAI request bodies the server accepts, as pydantic models: types and ranges are checked here, so a
 handler only sees valid requests. Fields clients commonly send that change nothing here (`user`, `metadata`,
 `store`, `parallel_tool_calls`, ...) are accepted and ignored; fields whose meaning the server cannot honour
-(`logit_bias`, `response_format` other than text, `suffix`, `best_of` != n) are rejected by name.
+(`response_format` other than text, `suffix`, `best_of` != n) are rejected by name.
 """
 
 from __future__ import annotations
@@ -115,10 +115,16 @@ class SamplingRequest(OpenAIModel):
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, value):
-        if value:
-            raise ValueError("logit_bias is not supported")
+    def _token_ids_as_keys(cls, value):
+        for key in value or {}:
+            if not key.strip().isdigit():
+                raise ValueError(f"logit_bias keys must be token ids (strings of digits), got {key!r}")
         return value
+
+    @property
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """(token id, bias) pairs, in the engine's form."""
+        return tuple((int(key), float(bias)) for key, bias in (self.logit_bias or {}).items())
 
     @property
     def stop_strings(self) -> tuple[str, ...]:

@@ -104,7 +104,8 @@ def make_params(request, defaults: dict, index: int) -> SamplingParams:
     seed = None if request.seed is None else (request.seed + index) % SEED_MODULUS
     kwargs = dict(temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0), top_k=max(pick("top_k", 0), 0),
                   min_p=pick("min_p", 0.0), seed=seed, repetition_penalty=pick("repetition_penalty", 1.0),
-                  presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty)
+                  presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
+                  logit_bias=request.logit_bias_pairs)
     if request.num_logprobs is not None:
         kwargs["logprobs"] = request.num_logprobs
     try:

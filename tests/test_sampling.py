@@ -227,3 +227,31 @@ def test_knobs_that_are_not_finite_in_float32_are_refused(name, value):
     """1e-50 rounds to 0 in float32 (logits / 0), 1e39 to inf; NaN passes every range check by comparing false."""
     with pytest.raises(ValueError, match=name):
         SamplingParams(**{name: value})
+
+
+def test_logit_bias_forces_bans_and_leaves_other_rows_alone():
+    """+100 on a token forces it even for a random row, -100 bans the greedy choice, the batch's other rows keep
+    their exact logits, and the batch equals the one-row reference (`apply_penalties` adds the bias last)."""
+    logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(2))
+    top = int(logits[1].argmax())
+    cases = [SamplingParams(temperature=1.0, seed=3, logit_bias=((17, 100.0),)),
+             SamplingParams(logit_bias=((top, -100.0),)),
+             SamplingParams(),
+             SamplingParams(repetition_penalty=1.4, logit_bias=((2, 3.5), (9, -0.25)))]
+    rows = [RowInputs(p, torch.Generator().manual_seed(i), [2, 9], [5]) for i, p in enumerate(cases)]
+    result = sample_batch(logits, rows)
+    assert result.token_ids[0] == 17 and result.token_ids[1] != top
+    assert result.token_ids[2] == int(logits[2].argmax())
+    from hybrid.sampling import apply_logit_bias_batch
+
+    biased = apply_logit_bias_batch(apply_penalties_batch(logits, rows), rows)
+    for i, params in enumerate(cases):
+        assert torch.equal(biased[i], apply_penalties(logits[i], [2, 9], [5], params)), i
+    assert apply_logit_bias_batch(logits, [RowInputs(SamplingParams())] * 4) is logits
+
+
+@pytest.mark.parametrize("bias, message", [(((3, 100.5),), "in \\[-100, 100\\]"), (((-1, 1.0),), "token ids >= 0"),
+                                           (tuple((t, 1.0) for t in range(301)), "at most 300")])
+def test_logit_bias_is_checked(bias, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(logit_bias=bias)

@@ -334,3 +334,19 @@ def test_loadtest_reports_throughput(server, capsys):
     out = capsys.readouterr().out
     assert "6 requests ok, 0 failed" in out and "output tokens/s" in out and "time to first token" in out
     wait_idle(server)
+
+
+def test_logit_bias_forces_and_bans_tokens(client, tokenizer):
+    """OpenAI's logit_bias: +100 on one token makes every sampled token that one; -100 on the greedy first token
+    makes the first token another; a token id outside the vocabulary is a 400."""
+    forced = tokenizer.encode(" the", add_special_tokens=False)[-1]
+    kwargs = dict(model="tiny", prompt="Hello", max_tokens=6, temperature=1.0, seed=5, extra_body={"ignore_eos": True})
+    out = client.completions.create(logit_bias={str(forced): 100}, **kwargs).choices[0].text
+    assert tokenizer.encode(out, add_special_tokens=False) == [forced] * 6
+    greedy = client.completions.create(model="tiny", prompt="Hello", max_tokens=1, **GREEDY).choices[0].text
+    banned = tokenizer.encode(greedy, add_special_tokens=False)[0]
+    other = client.completions.create(model="tiny", prompt="Hello", max_tokens=1, logit_bias={str(banned): -100},
+                                      **GREEDY).choices[0].text
+    assert tokenizer.encode(other, add_special_tokens=False)[0] != banned
+    with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
+        client.completions.create(logit_bias={"99999999": 5}, **kwargs)
