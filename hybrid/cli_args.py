@@ -1,8 +1,10 @@
 """Command-line options generated from a frozen config dataclass, so the dataclass is the one definition.
 
 Each field becomes `--field-name`; its type gives the parser (bool fields are flags, `X | None` fields default
-to None), `metadata={"help": ..., "choices": ...}` the help text and allowed values. Validation stays in the
-dataclass's `__post_init__`, which the CLI reaches through `from_namespace`.
+to None, `tuple[str, ...]` fields take one or more values), `metadata={"help": ..., "choices": ...}` the help text
+and allowed values, `"aliases"` other spellings of the same option (another server's name for it: one setting, one
+field), `"group"` the --help section it is listed in. Validation stays in the dataclass's `__post_init__`, which the
+CLI reaches through `from_namespace`.
 """
 
 from __future__ import annotations
@@ -14,20 +16,35 @@ import typing
 from pathlib import Path
 
 
-def add_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
+def add_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = (),
+                  title: str | None = None) -> None:
+    """`title`: the --help section of the fields without a `group` of their own (None: the parser's options)."""
     hints = typing.get_type_hints(cls)
+    groups: dict[str | None, object] = {}  # --help section -> the parser or its argument group
+
+    def section(name: str | None):
+        if name not in groups:
+            groups[name] = parser.add_argument_group(name) if name else parser
+        return groups[name]
+
     for f in dataclasses.fields(cls):
         if f.name in skip:
             continue
-        kind = _base_type(hints[f.name])
-        flag = "--" + f.name.replace("_", "-")
+        target = section(f.metadata.get("group", title))
+        flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         help_text = f.metadata.get("help", "")
+        if _is_str_tuple(hints[f.name]):
+            target.add_argument(*flags, dest=f.name, nargs="+", default=default, help=help_text,
+                                metavar=f.name.upper())
+            continue
+        kind = _base_type(hints[f.name])
         if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+            target.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
+                                help=help_text)
             continue
         shown = "" if default is None else f" (default: {default})"
-        parser.add_argument(flag, type=kind, default=default, choices=f.metadata.get("choices"),
+        target.add_argument(*flags, dest=f.name, type=kind, default=default, choices=f.metadata.get("choices"),
                             help=help_text + shown, metavar=None if f.metadata.get("choices") else f.name.upper())
 
 
@@ -42,6 +59,10 @@ def _int_or_str(text: str) -> int | str:
         return int(text)
     except ValueError:
         return text
+
+
+def _is_str_tuple(hint) -> bool:
+    return typing.get_origin(hint) is tuple and typing.get_args(hint) == (str, ...)
 
 
 def _base_type(hint) -> type:

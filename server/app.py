@@ -23,12 +23,13 @@ from pathlib import Path
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hybrid.config import read_config_json
 from hybrid.errors import ConfigError
-from server import harmony
+from server import harmony, tokens
 from server.chat import create_chat_completion
 from server.completions import create_completion
 from server.config import ServerConfig
@@ -42,7 +43,8 @@ from server.serving import ServedModel, ServerState, drain, sampling_defaults
 from server.tool_parsers import choose_tool_parser
 
 MAX_BODY_BYTES = 64 * 1024 * 1024  # far above any context length's worth of text; bigger bodies get 413
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize", "/version", "/health",
+          "/metrics")
 OPEN_PATHS = ("/health", "/metrics")  # answered without the API key; every other path needs it
 
 
@@ -104,14 +106,16 @@ def served_model(config: ServerConfig, tokenizer, max_model_len: int) -> ServedM
                                                      _architectures(config.model), template):
         # gpt-oss: the format renders the prompt and parses reasoning and calls; its turn ends at <|return|>/<|call|>
         stops = tuple(vocab[tag] for tag in harmony.STOP_TAGS if tag in vocab)
-        return ServedModel(config.model_name, tokenizer, max_model_len, None, None, sampling_defaults(config.model),
+        return ServedModel(config.model_name, tokenizer, max_model_len, None, None,
+                           sampling_defaults(config.generation_config_dir),
                            has_special_tags=tags_are_special(tokenizer, vocab, harmony.TAGS), is_harmony=True,
-                           stop_token_ids=stops)
+                           stop_token_ids=stops, other_names=config.model_names[1:])
     tool_parser = choose_tool_parser(config.tool_call_parser, template, vocab)
     reasoning_parser = choose_reasoning_parser(config.reasoning_parser, template, vocab)
     tags = (tool_parser.tags if tool_parser else ()) + ((THINK_START, THINK_END) if reasoning_parser else ())
     return ServedModel(config.model_name, tokenizer, max_model_len, tool_parser, reasoning_parser,
-                       sampling_defaults(config.model), has_special_tags=tags_are_special(tokenizer, vocab, tags))
+                       sampling_defaults(config.generation_config_dir),
+                       has_special_tags=tags_are_special(tokenizer, vocab, tags), other_names=config.model_names[1:])
 
 
 def _architectures(model_dir: str | None) -> list:
@@ -135,6 +139,9 @@ def build_app(config: ServerConfig, engine_loop: EngineLoop) -> FastAPI:
     if config.model is None:
         raise ConfigError("build_app needs config.model, the directory of the model the engine runs")
     tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.model, config.trust_remote_code)
+    template = config.chat_template_text()
+    if tokenizer is not None and template is not None:
+        tokenizer.chat_template = template  # --chat-template: before the formats are chosen from it
     model = served_model(config, tokenizer, engine_loop.max_model_len)
     if tokenizer is not None:
         # Requests are tokenized in worker threads, concurrently: the first encode may reset the tokenizer's
@@ -155,6 +162,9 @@ def build_app(config: ServerConfig, engine_loop: EngineLoop) -> FastAPI:
     app = FastAPI(title="hybrid-serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
     app.add_middleware(_RequestAccounting, metrics=state.metrics, api_key=config.api_key)
+    if config.allowed_origins:  # added last, so outermost: a preflight is answered before the API key is asked for
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
     _add_error_handlers(app)
     created = int(time.time())
 
@@ -166,19 +176,21 @@ def build_app(config: ServerConfig, engine_loop: EngineLoop) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request):
         return await create_completion(state, body, request)
 
-    def model_card() -> dict:
-        return {"id": state.model.name, "object": "model", "created": created, "owned_by": "hybrid",
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": created, "owned_by": "hybrid",
                 "max_model_len": state.model.max_model_len}
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(name) for name in state.model.names]}
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str):
-        if name != state.model.name:
+        if name not in state.model.names:
             raise APIError(404, f"model '{name}' does not exist", param="model", code="model_not_found")
-        return model_card()
+        return model_card(name)
+
+    tokens.add_routes(app, state)
 
     @app.get("/health")
     async def health():

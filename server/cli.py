@@ -29,9 +29,12 @@ LOG_FORMAT = "%(asctime)s %(levelname)-7s %(message)s"
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hybrid-serve", description="OpenAI-compatible server (/v1/chat/completions, /v1/completions, "
-                                         "/v1/models, /health, /metrics) over one MoE model.")
-    add_arguments(parser, ServerConfig)
-    add_arguments(parser, EngineConfig, skip=("max_model_len", "max_num_seqs", "max_num_batched_tokens"))
+                                         "/v1/models, /tokenize, /detokenize, /version, /health, /metrics) over one "
+                                         "MoE model. vLLM's names of the common options are accepted too "
+                                         "(--max-model-len, --served-model-name, --chat-template, ...).")
+    add_arguments(parser, ServerConfig, title="model and requests")
+    add_arguments(parser, EngineConfig, skip=("max_model_len", "max_num_seqs", "max_num_batched_tokens"),
+                  title="engine (where and how the model runs)")
     return parser
 
 

@@ -52,6 +52,11 @@ class ServedModel:
     has_special_tags: bool = False
     is_harmony: bool = False  # gpt-oss's harmony format (`server.harmony`) instead of the chat template and parsers
     stop_token_ids: tuple[int, ...] = ()  # ends of a chat turn besides the tokenizer's EOS (harmony's)
+    other_names: tuple[str, ...] = ()  # more names requests may send (--served-model-name a b ...)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.name, *self.other_names)
 
 
 @dataclass
@@ -84,7 +89,7 @@ def sampling_defaults(model_dir: str | None) -> dict:
 
 
 def check_model(state: ServerState, name: str | None) -> None:
-    if name is not None and name != state.model.name:
+    if name is not None and name not in state.model.names:
         raise APIError(404, f"model '{name}' does not exist; this server serves '{state.model.name}'",
                        param="model", code="model_not_found")
 
