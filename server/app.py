@@ -107,7 +107,7 @@ def served_model(config: ServerConfig, tokenizer, max_model_len: int) -> ServedM
         return ServedModel(config.model_name, tokenizer, max_model_len, None, None, sampling_defaults(config.model),
                            has_special_tags=tags_are_special(tokenizer, vocab, harmony.TAGS), is_harmony=True,
                            stop_token_ids=stops)
-    tool_parser = choose_tool_parser(config.tool_call_parser, template, vocab)
+    tool_parser = choose_tool_parser(config.tool_call_parser, template, vocab, _architectures(config.model))
     reasoning_parser = choose_reasoning_parser(config.reasoning_parser, template, vocab)
     tags = (tool_parser.tags if tool_parser else ()) + ((THINK_START, THINK_END) if reasoning_parser else ())
     return ServedModel(config.model_name, tokenizer, max_model_len, tool_parser, reasoning_parser,
