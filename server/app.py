@@ -110,7 +110,7 @@ def served_model(config: ServerConfig, tokenizer, max_model_len: int) -> ServedM
                            sampling_defaults(config.generation_config_dir),
                            has_special_tags=tags_are_special(tokenizer, vocab, harmony.TAGS), is_harmony=True,
                            stop_token_ids=stops, other_names=config.model_names[1:])
-    tool_parser = choose_tool_parser(config.tool_call_parser, template, vocab)
+    tool_parser = choose_tool_parser(config.tool_call_parser, template, vocab, _architectures(config.model))
     reasoning_parser = choose_reasoning_parser(config.reasoning_parser, template, vocab)
     tags = (tool_parser.tags if tool_parser else ()) + ((THINK_START, THINK_END) if reasoning_parser else ())
     return ServedModel(config.model_name, tokenizer, max_model_len, tool_parser, reasoning_parser,

@@ -45,7 +45,7 @@ from server.serving import (
     token_text,
     usage,
 )
-from server.tool_parsers import ToolCall, ToolCallParser
+from server.tool_calls import CallDelta, ToolCall, ToolCallParser, ToolDelta
 
 
 class ChatChoice:
@@ -65,11 +65,10 @@ class ChatChoice:
         if self.reasoning_parser is not None and text:
             parsed = self.reasoning_parser.feed(text)
             reasoning, content = parsed.reasoning, parsed.content
-        calls = ()
+        parsed = ToolDelta(content)
         if self.tool_parser is not None and content:
             parsed = self.tool_parser.feed(content)
-            content, calls = parsed.content, parsed.tool_calls
-        return self._delta(reasoning, content, calls)
+        return self._delta(reasoning, parsed.content, parsed.tool_calls, parsed.call_deltas)
 
     def flush(self) -> dict:
         """The delta of what the parsers still hold at the end of the output."""
@@ -79,15 +78,19 @@ class ChatChoice:
         if self.reasoning_parser is not None:
             parsed = self.reasoning_parser.finish()
             reasoning, content = parsed.reasoning, parsed.content
-        calls = ()
+        calls, call_deltas = (), ()
         if self.tool_parser is not None:
-            fed = self.tool_parser.feed(content) if content else None
+            fed = self.tool_parser.feed(content) if content else ToolDelta()
             rest = self.tool_parser.finish()
-            content = (fed.content if fed else "") + rest.content
-            calls = (fed.tool_calls if fed else ()) + rest.tool_calls
-        return self._delta(reasoning, content, calls)
+            content = fed.content + rest.content
+            calls, call_deltas = fed.tool_calls + rest.tool_calls, fed.call_deltas + rest.call_deltas
+            if self.tool_parser.is_streaming:
+                self.tool_calls = self.tool_parser.streamed_calls()
+        return self._delta(reasoning, content, calls, call_deltas)
 
-    def _delta(self, reasoning: str, content: str, calls: tuple[ToolCall, ...]) -> dict:
+    def _delta(self, reasoning: str, content: str, calls: tuple[ToolCall, ...],
+               call_deltas: tuple[CallDelta, ...] = ()) -> dict:
+        """`calls`: whole ones (their index: how many came before); `call_deltas`: pieces of streamed ones."""
         if self.reasoning_parser is not None and self.reasoning_parser.keeps_think_in_content:
             # the think block precedes the content, and the tool parser never sees it
             reasoning, content = "", reasoning + content
@@ -101,14 +104,15 @@ class ChatChoice:
         if calls:
             delta["tool_calls"] = [_tool_call(call, len(self.tool_calls) + k) for k, call in enumerate(calls)]
             self.tool_calls.extend(calls)
+        if call_deltas:
+            delta["tool_calls"] = [_call_delta(call) for call in call_deltas]
         return delta
 
     def _harmony_delta(self, parsed: harmony.HarmonyDelta) -> dict:
         """Reasoning and content as the other parsers', calls as they stream: a call's first delta has its id and
         name, the next ones more of its arguments."""
-        delta = self._delta(parsed.reasoning, parsed.content, ())
+        delta = self._delta(parsed.reasoning, parsed.content, (), parsed.calls)
         if parsed.calls:
-            delta["tool_calls"] = [_call_delta(call) for call in parsed.calls]
             self.tool_calls = [ToolCall(call.id, call.name, call.arguments) for call in self.harmony_parser.calls]
         return delta
 
@@ -131,7 +135,7 @@ def _tool_call(call: ToolCall, index: int | None = None) -> dict:
     return body if index is None else {"index": index, **body}
 
 
-def _call_delta(call: harmony.CallDelta) -> dict:
+def _call_delta(call: CallDelta) -> dict:
     if call.id is None:
         return {"index": call.index, "function": {"arguments": call.arguments}}
     return {"index": call.index, "id": call.id, "type": "function",

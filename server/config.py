@@ -45,8 +45,9 @@ class ServerConfig:
     max_num_batched_tokens: int | None = field(default=None, metadata={
         "help": "tokens per engine step (prefill chunk budget); default min(512, context length)"})
     tool_call_parser: str = field(default="auto", metadata={
-        "help": "tool-call format of the model's output; auto: from the chat template and vocabulary; openai: "
-                "gpt-oss's harmony format (auto for GptOssForCausalLM)",
+        "help": "tool-call format of the model's output; auto: from the chat template and vocabulary (qwen3_coder "
+                "also for Qwen3-Next / Qwen3.5 architectures); openai: gpt-oss's harmony format (auto for "
+                "GptOssForCausalLM)",
         "choices": TOOL_PARSER_CHOICES, "group": CHAT})
     reasoning_parser: str = field(default="auto", metadata={
         "help": "return <think>...</think> as reasoning_content; auto: when the vocabulary has the tags, and for "

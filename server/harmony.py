@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from server.errors import APIError
 from server.reasoning import partial_tag_length
-from server.tool_parsers import new_call_id
+from server.tool_calls import CallDelta, new_call_id
 
 START, MESSAGE, END, CALL, RETURN = "<|start|>", "<|message|>", "<|end|>", "<|call|>", "<|return|>"
 CHANNEL, CONSTRAIN = "<|channel|>", "<|constrain|>"
@@ -256,16 +256,6 @@ def forced_prefix(function_name: str | None) -> str:
 
 
 # ---- parsing the output ----
-
-@dataclass(frozen=True)
-class CallDelta:
-    """A piece of a call: its first carries the id and name, every one more of the arguments' text."""
-
-    index: int
-    id: str | None = None
-    name: str | None = None
-    arguments: str = ""
-
 
 @dataclass(frozen=True)
 class HarmonyDelta:

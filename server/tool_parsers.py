@@ -11,10 +11,12 @@ One parser class per format, chosen from the chat template and vocabulary (`choo
 - MiniMax-M2: `<minimax:tool_call><invoke name="NAME"><parameter name="P">VALUE</parameter>...</invoke>...
   </minimax:tool_call>`;
 - GLM-4.5 / 4.6 / 4.7: `<tool_call>NAME<arg_key>P</arg_key><arg_value>VALUE</arg_value>...</tool_call>` (4.5 and 4.6
-  put newlines between the parts).
+  put newlines between the parts);
+- Qwen3-Coder / Qwen3.5 / Qwen3-Coder-Next: `<tool_call>\\n<function=NAME>\\n<parameter=P>\\nVALUE\\n</parameter>
+  \\n...</function>\\n</tool_call>` (`server.qwen3_coder`: the one format whose calls stream as they are written).
 
-The last two write each argument as text: a string parameter's value as it is, any other as JSON; the request's
-tools tell which is which (`typed_value`).
+MiniMax-M2, GLM and Qwen3-Coder write each argument as text: a string parameter's value as it is, any other as
+JSON; the request's tools tell which is which (`typed_value`).
 
 A parser is fed the output text piece by piece (`feed`, then `finish` once) and returns content and whole tool
 calls: the text before the first call tag is content, streamed as it comes except for a tail that could still
@@ -30,124 +32,14 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
-from dataclasses import dataclass
 
-from server.reasoning import partial_tag_length
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    id: str
-    name: str
-    arguments: str  # JSON text of the arguments object
-
-
-@dataclass(frozen=True)
-class ToolDelta:
-    content: str = ""
-    tool_calls: tuple[ToolCall, ...] = ()
-
-
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
-class ToolCallParser:
-    name = ""
-    marker = ""  # text of the template or vocabulary that tells the format apart (`choose_tool_parser`); "": start_tag
-    start_tag = ""  # opens the tool-call section
-    end_tag = ""  # closes it, where the format has one
-    section_tags: tuple[str, ...] = ()  # tags around the calls that are not part of one
-    call_end_tag = ""  # ends one call
-    call_pattern: re.Pattern  # one whole call
-    tags: tuple[str, ...] = ()  # every tag the parser reads: decoding must keep them (`tags_are_special`)
-
-    def __init__(self, forced_prefix: str = "", tools: list[dict] | None = None):
-        """`tools`: the request's tools (OpenAI `{"type": "function", "function": {...}}` dicts), whose parameter
-        schemas type the arguments of the formats that write them as text."""
-        self._parameters = _parameter_schemas(tools)
-        # Before the section only a tail that could become the start tag is kept; in it, the text after the last
-        # whole call is kept as pieces, each searched once for the call end tag (with the tag's length - 1
-        # characters before it), and joined and parsed once a call is whole.
-        self._held = ""  # before the section: the end of the text that could still be the start tag
-        self._is_in_section = False
-        self._pending: list[str] = []  # in the section: the text after the last whole call
-        self._pending_tail = ""  # its last len(call_end_tag) - 1 characters, where a tag split across pieces starts
-        self.num_calls = 0
-        if forced_prefix:
-            self.feed(forced_prefix)
-
-    def feed(self, text: str) -> ToolDelta:
-        content = ""
-        if not self._is_in_section:
-            text = self._held + text
-            index = text.find(self.start_tag)
-            if index < 0:
-                end = len(text) - partial_tag_length(text, self.start_tag)
-                self._held = text[end:]
-                return ToolDelta(content=text[:end])
-            content, text, self._held, self._is_in_section = text[:index], text[index:], "", True
-        window = self._pending_tail + text
-        self._pending.append(text)
-        end = window.rfind(self.call_end_tag)
-        if end < 0:
-            self._pending_tail = window[max(len(window) - len(self.call_end_tag) + 1, 0):]
-            return ToolDelta(content=content)
-        pending = "".join(self._pending)
-        split = len(pending) - len(window) + end + len(self.call_end_tag)  # after the last call end tag
-        rest = pending[split:]
-        self._pending, self._pending_tail = [rest], rest[max(len(rest) - len(self.call_end_tag) + 1, 0):]
-        more, calls = self._parse_calls(pending[:split])
-        self.num_calls += len(calls)
-        return ToolDelta(content=content + more, tool_calls=calls)
-
-    def _parse_calls(self, text: str) -> tuple[str, tuple[ToolCall, ...]]:
-        """The calls in `text` (which ends with a call end tag) and what of it is not a call but text: a malformed
-        call, or anything but whitespace (and the section's end tag) outside the calls."""
-        content, calls, position = "", [], 0
-        for match in self.call_pattern.finditer(text):
-            content += self._stray(text[position:match.start()])
-            position = match.end()
-            call = self.parse_call(match)
-            if call is None:
-                content += match.group(0)  # a malformed call stays text
-            else:
-                calls.append(call)
-        return content + self._stray(text[position:]), tuple(calls)
-
-    def _stray(self, text: str) -> str:
-        for tag in self.section_tags:
-            text = text.replace(tag, "")
-        return text if text.strip() else ""
-
-    def finish(self) -> ToolDelta:
-        if not self._is_in_section:
-            rest, self._held = self._held, ""
-            return ToolDelta(content=rest)
-        rest, self._pending, self._pending_tail = "".join(self._pending), [], ""
-        if self.end_tag:
-            rest = rest.replace(self.end_tag, "")
-        return ToolDelta(content=rest if rest.strip() else "")
-
-    def parse_call(self, match: re.Match) -> ToolCall | None:
-        raise NotImplementedError
-
-    @classmethod
-    def forced_prefix(cls, function_name: str | None) -> str:
-        """Text that opens a call of `function_name` (None: of any function)."""
-        raise NotImplementedError
-
-
-def _parameter_schemas(tools: list[dict] | None) -> dict[str, dict]:
-    """Function name -> its parameters' JSON schemas (`properties`), from the request's tools."""
-    schemas = {}
-    for tool in tools or ():
-        function = tool.get("function") or {}
-        properties = (function.get("parameters") or {}).get("properties")
-        if isinstance(function.get("name"), str):
-            schemas[function["name"]] = properties if isinstance(properties, dict) else {}
-    return schemas
+from server.qwen3_coder import Qwen3CoderToolParser
+from server.tool_calls import CallDelta as CallDelta
+from server.tool_calls import ToolCall as ToolCall
+from server.tool_calls import ToolCallParser as ToolCallParser
+from server.tool_calls import ToolDelta as ToolDelta
+from server.tool_calls import new_call_id as new_call_id
+from server.typed_arguments import typed_value
 
 
 def _arguments_json(arguments) -> str | None:
@@ -314,72 +206,21 @@ def _typed_call(name: str, body: str, start: int, argument_pattern: re.Pattern, 
     return ToolCall(new_call_id(), name, json.dumps(arguments, ensure_ascii=False))
 
 
-MAX_SCHEMA_DEPTH = 8  # nested anyOf/oneOf read for a parameter's types: the client's schema bounds no recursion
-_JSON_TYPES = ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"), (list, "array"),
-               (dict, "object"), (type(None), "null"))
-
-
-def _json_type(value) -> str:
-    return next(name for kind, name in _JSON_TYPES if isinstance(value, kind))
-
-
-def _schema_types(schema, depth: int = 0) -> set[str]:
-    """The JSON types a parameter's schema allows (`type`, `enum`, `anyOf`/`oneOf`); empty: any, or unknown."""
-    if not isinstance(schema, dict) or depth > MAX_SCHEMA_DEPTH:
-        return set()
-    declared = schema.get("type")
-    if isinstance(declared, str):
-        types = {declared}
-    else:
-        types = {t for t in declared if isinstance(t, str)} if isinstance(declared, list) else set()
-    if isinstance(schema.get("enum"), list):
-        types |= {_json_type(value) for value in schema["enum"]}
-    for key in ("anyOf", "oneOf"):
-        for option in schema.get(key) or ():
-            types |= _schema_types(option, depth + 1)
-    if "integer" in types:
-        types.add("number")  # JSON does not tell 3 from 3.0
-    return types
-
-
-def _reject_constant(name: str):
-    raise ValueError(f"{name} is not JSON")
-
-
-def typed_value(text: str, schema):
-    """An argument written as text: a string parameter's value as written (less one newline either side, which
-    models put around long values), any other parsed as JSON when it is the JSON of a type the schema allows;
-    text that is not keeps being text, so a wrong type reaches the client to complain about, never an error here.
-    A parameter the schema does not know takes the JSON value when the text is JSON."""
-    types = _schema_types(schema)
-    text = text.removeprefix("\n").removesuffix("\n")
-    if types == {"string"}:
-        return text
-    try:
-        value = json.loads(text, parse_constant=_reject_constant)
-    except ValueError:
-        return text
-    if types and _json_type(value) not in types and not (_json_type(value) == "integer" and "number" in types):
-        return text
-    return value
-
-
 TOOL_PARSERS = {parser.name: parser for parser in (HermesToolParser, DeepSeekV3ToolParser, KimiK2ToolParser,
-                                                   MiniMaxM2ToolParser, Glm47ToolParser)}
+                                                   MiniMaxM2ToolParser, Glm47ToolParser, Qwen3CoderToolParser)}
 # openai: gpt-oss's harmony format, which `server.harmony` renders and parses whole (reasoning too)
 TOOL_PARSER_CHOICES = ("auto", "none", *TOOL_PARSERS, "openai")
-# `auto` tries these in order: GLM's template and vocabulary have Hermes' <tool_call> too
-AUTO_ORDER = (DeepSeekV3ToolParser, KimiK2ToolParser, MiniMaxM2ToolParser, Glm47ToolParser, HermesToolParser)
+# `auto` tries these in order: GLM's and Qwen3-Coder's templates and vocabularies have Hermes' <tool_call> too
+AUTO_ORDER = (DeepSeekV3ToolParser, KimiK2ToolParser, MiniMaxM2ToolParser, Glm47ToolParser, Qwen3CoderToolParser,
+              HermesToolParser)
 
 
-def choose_tool_parser(choice: str, chat_template: str, vocab: dict[str, int]) -> type[ToolCallParser] | None:
-    """The parser class for `--tool-call-parser` (`auto`: the format the chat template or vocabulary knows)."""
+def choose_tool_parser(choice: str, chat_template: str, vocab: dict[str, int],
+                       architectures=()) -> type[ToolCallParser] | None:
+    """The parser class for `--tool-call-parser` (`auto`: the format the chat template, vocabulary or config.json
+    `architectures` know)."""
     if choice in ("none", "openai"):
         return None
     if choice != "auto":
         return TOOL_PARSERS[choice]
-    for parser in AUTO_ORDER:
-        marker = parser.marker or parser.start_tag
-        if marker in vocab or marker in chat_template:
-            return parser
-    return None
+    return next((parser for parser in AUTO_ORDER if parser.matches(chat_template, vocab, architectures)), None)

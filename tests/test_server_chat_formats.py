@@ -1,7 +1,8 @@
-"""The Kimi-K2, MiniMax-M2 and GLM-4.7 chat formats through hybrid-serve, end to end with the official `openai`
-client: the tiny demo model gets each model's published chat template (tests/fixtures/templates) and the format's
-tags as special tokens (as the real tokenizers have them: decoding skips them unless told not to), and a
-`ScriptedEngine` writes the model's side of the conversation."""
+"""The Kimi-K2, MiniMax-M2, GLM-4.7 and Qwen3-Coder / Qwen3.5 chat formats through hybrid-serve, end to end with
+the official `openai` client: the tiny demo model gets each model's published chat template (tests/fixtures/templates;
+Qwen's a reduction) and the format's tags as special tokens (as the real tokenizers have them: decoding skips them
+unless told not to; Qwen's are plain added tokens), and a `ScriptedEngine` writes the model's side of the
+conversation."""
 
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ MODELS = {  # model directory name -> (template, the special tokens its tokenize
     "glm": ("zai-org-GLM-4.7-Flash.jinja",
             ["<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
              "</arg_value>"]),
+    # the demo vocabulary has Qwen's <tool_call> and <think> tags, as Qwen's has them: not special
+    "qwen": ("qwen3.5-reduced.jinja", []),
 }
 
 
@@ -39,7 +42,7 @@ def base_model(tmp_path_factory):
 class Served:
     """A server for one of `MODELS`, its engine and tokenizer, and an `openai` client."""
 
-    def __init__(self, base_model, directory, name: str):
+    def __init__(self, base_model, directory, name: str, **config):
         template, tags = MODELS[name]
         model_dir = directory / name
         shutil.copytree(base_model, model_dir)
@@ -49,7 +52,7 @@ class Served:
         tokenizer.save_pretrained(model_dir)
         self.tokenizer = load_tokenizer(model_dir)
         self.engine = ScriptedEngine([], max_model_len=4096)  # the tiny vocabulary makes long prompts
-        self.server = start_server(self.engine, model_dir, self.engine.max_model_len, served_model_name=name)
+        self.server = start_server(self.engine, model_dir, self.engine.max_model_len, served_model_name=name, **config)
         self.client = openai.OpenAI(base_url=self.server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
     def script(self, text: str) -> None:
@@ -59,8 +62,8 @@ class Served:
         return self.tokenizer.decode(self.engine.prompts[-1])
 
 
-def serve(base_model, tmp_path_factory, name: str):
-    served = Served(base_model, tmp_path_factory.mktemp(name), name)
+def serve(base_model, tmp_path_factory, name: str, **config):
+    served = Served(base_model, tmp_path_factory.mktemp(name), name, **config)
     yield served
     served.server.stop()
 
@@ -78,6 +81,12 @@ def minimax(base_model, tmp_path_factory):
 @pytest.fixture(scope="module")
 def glm(base_model, tmp_path_factory):
     yield from serve(base_model, tmp_path_factory, "glm")
+
+
+@pytest.fixture(scope="module")
+def qwen(base_model, tmp_path_factory):
+    # the tool-call parser is `auto` (the template writes <function=); the reasoning parser named as vLLM names it
+    yield from serve(base_model, tmp_path_factory, "qwen", reasoning_parser="qwen3")
 
 
 def test_kimi_tool_calls_and_reasoning(kimi):
@@ -167,3 +176,70 @@ def test_glm_thinking_switch_and_forced_call(glm):
         {"role": "tool", "tool_call_id": tool_call.id, "content": "sunny"}])
     assert ("<tool_call>get_weather<arg_key>city</arg_key><arg_value>Rome</arg_value><arg_key>days</arg_key>"
             "<arg_value>3</arg_value></tool_call>") in served.last_prompt()
+
+
+WRITE_TOOL = {"type": "function", "function": {"name": "write_file", "parameters": {"type": "object", "properties": {
+    "path": {"type": "string"}, "content": {"type": "string"}, "mode": {"type": "integer"},
+    "force": {"type": "boolean"}}}}}
+QWEN_CODE = "if a < b:\n    print('<done>')\n"
+QWEN_WRITE = ("<tool_call>\n<function=write_file>\n<parameter=path>\n/tmp/a.py\n</parameter>\n<parameter=content>\n"
+              f"{QWEN_CODE}\n</parameter>\n<parameter=mode>\n644\n</parameter>\n<parameter=force>\nTrue\n</parameter>\n"
+              "</function>\n</tool_call>")
+QWEN_WEATHER = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
+WRITE_ARGUMENTS = {"path": "/tmp/a.py", "content": QWEN_CODE, "mode": 644, "force": True}
+
+
+def test_qwen3_coder_tool_calls(qwen):
+    served, tools = qwen, [WRITE_TOOL, WEATHER_TOOL]
+    served.script("The user wants a file.\n</think>\n\nWriting it.\n\n" + QWEN_WRITE)
+    response = served.client.chat.completions.create(model="qwen", messages=USER, tools=tools)
+    assert served.last_prompt().endswith("<|im_start|>assistant\n<think>\n")  # the template opened the block
+    message = response.choices[0].message
+    assert message.content == "Writing it.\n\n"
+    assert message.model_extra["reasoning_content"] == "The user wants a file.\n"
+    (tool_call,) = message.tool_calls
+    assert tool_call.function.name == "write_file" and tool_call.id.startswith("call_")
+    assert json.loads(tool_call.function.arguments) == WRITE_ARGUMENTS  # typed by the schema
+    assert response.choices[0].finish_reason == "tool_calls"
+    # the call goes back through the template, which writes the boolean Python's way, as the model learned it
+    served.script("Done.")
+    served.client.chat.completions.create(model="qwen", tools=tools, messages=USER + [
+        message.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": tool_call.id, "content": "ok"}])
+    assert "<|im_start|>assistant\nWriting it.\n\n" + QWEN_WRITE + "<|im_end|>" in served.last_prompt()
+    assert "<|im_start|>user\n<tool_response>\nok\n</tool_response><|im_end|>" in served.last_prompt()
+
+
+def test_qwen3_coder_tool_calls_streamed(qwen):
+    served, tools = qwen, [WRITE_TOOL, WEATHER_TOOL]
+    served.script("Plan.</think>\n\nOn it.\n\n" + QWEN_WRITE + "\n" + QWEN_WEATHER)
+    chunks = list(served.client.chat.completions.create(model="qwen", messages=USER, tools=tools, stream=True))
+    deltas = [chunk.choices[0].delta for chunk in chunks if chunk.choices]
+    assert "".join(d.content or "" for d in deltas) == "On it.\n\n"
+    assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == "Plan."
+    pieces = [call for d in deltas for call in d.tool_calls or ()]
+    heads = [call for call in pieces if call.id is not None]
+    assert [(c.index, c.function.name) for c in heads] == [(0, "write_file"), (1, "get_weather")]
+    arguments = ["".join(c.function.arguments or "" for c in pieces if c.index == index) for index in (0, 1)]
+    assert [json.loads(a) for a in arguments] == [WRITE_ARGUMENTS, {"city": "Paris"}]
+    assert sum(c.index == 0 for c in pieces) > 3  # the arguments came as they were written, not at the end
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_qwen3_thinking_switch_and_forced_call(qwen):
+    served = qwen
+    # `enable_thinking` false: the template closes an empty think block in the prompt, and the output is content
+    served.script("Hello there.")
+    response = served.client.chat.completions.create(
+        model="qwen", messages=USER, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert served.last_prompt().endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    message = response.choices[0].message
+    assert (message.model_extra["reasoning_content"], message.content) == (None, "Hello there.")
+    # a named function: the think block the prompt opened is closed, then the call opened
+    served.script("<parameter=city>\nRome\n</parameter>\n</function>\n</tool_call>")
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    response = served.client.chat.completions.create(model="qwen", messages=USER, tools=[WRITE_TOOL, WEATHER_TOOL],
+                                                     tool_choice=named)
+    assert served.last_prompt().endswith("<think>\n</think><tool_call>\n<function=get_weather>\n")
+    (tool_call,) = response.choices[0].message.tool_calls
+    assert (tool_call.function.name, json.loads(tool_call.function.arguments)) == ("get_weather", {"city": "Rome"})
+    assert response.choices[0].finish_reason == "stop"  # as OpenAI answers a forced function
