@@ -141,8 +141,14 @@ def test_reasoning_content(engine, tokenizer, client):
 
 def test_stop_string_finishes_the_engine_request(engine, tokenizer, client):
     script(engine, tokenizer, "alpha beta gamma delta epsilon", end=False)
+    num_finished = len(engine.finished)
     response = client.completions.create(model="hybrid-demo", prompt="x", max_tokens=50, stop=["gamma"])
     assert response.choices[0].text == "alpha beta " and response.choices[0].finish_reason == "stop"
+    # the response may reach the client before the engine thread has ended the request: wait for it (bounded)
+    deadline = time.monotonic() + 5
+    while len(engine.finished) == num_finished or engine.finished[-1][0] in engine.requests:
+        assert time.monotonic() < deadline, "the stop string did not end the engine request"
+        time.sleep(0.01)
     request_id, reason = engine.finished[-1]
     assert reason == "stop" and request_id not in engine.requests  # ended in the engine and forgotten
 
