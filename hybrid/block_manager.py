@@ -128,6 +128,34 @@ class PrefixCachingBlockManager:
                 self._free[page] = None
 
 
+class StateSlotPool:
+    """Recurrent-state slots (Gated DeltaNet layers' recurrent and conv states): a sequence holds one slot while it
+    runs, whatever its length; the pool is sized at start-up. Like pages, a slot is never handed to two users."""
+
+    def __init__(self, num_slots: int):
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        self.num_slots = num_slots
+        self._free: dict[int, None] = dict.fromkeys(range(num_slots))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int | None:
+        """A free slot, or None when every slot is held (the caller queues the request)."""
+        if not self._free:
+            return None
+        slot = next(iter(self._free))
+        del self._free[slot]
+        return slot
+
+    def free(self, slot: int) -> None:
+        if slot < 0 or slot in self._free:
+            return
+        self._free[slot] = None
+
+
 class CacheGroupBlocks:
     """One `PrefixCachingBlockManager` per cache group (`hybrid.cache_groups`), worked on together: a sequence
     holds one block table per group (`new_tables`), and reserving, prefix matching, publishing and freeing cover
@@ -136,9 +164,13 @@ class CacheGroupBlocks:
     group's pages for all P and each windowed group's pages only for the window before P (vLLM's sliding-window
     manager semantics). With one full group this costs what one manager does."""
 
-    def __init__(self, groups: Sequence[CacheGroup], block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, groups: Sequence[CacheGroup], block_size: int, enable_prefix_caching: bool = True,
+                 num_state_slots: int = 0):
+        """`num_state_slots` > 0: the model has recurrent layers, and each running sequence also holds one of
+        these slots (`state_slots`)."""
         if not groups:
             raise ValueError("a KV cache needs at least one cache group")
+        self.state_slots = StateSlotPool(num_state_slots) if num_state_slots else None
         self.groups = tuple(groups)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching

@@ -54,6 +54,9 @@ class AttentionConfig:
     has_sinks: bool = False
     # V is multiplied by this as it is projected, before it is cached (MiMo-V2-Flash's `attention_value_scale`)
     value_scale: float = 1.0
+    # q_proj emits each head's query and an output gate ([q | gate] per head); the output is attn * sigmoid(gate)
+    # before o_proj (Qwen3-Next, Qwen3.5)
+    has_output_gate: bool = False
     # MLA only
     q_lora_rank: int | None = None
     kv_lora_rank: int = 0
@@ -81,6 +84,34 @@ class MoEConfig:
     router_in_fp32: bool = False  # DeepSeek/GLM compute router logits in float32
     # Checkpoint names of each expert's gate, up and down projections (Mixtral: w1, w3, w2).
     expert_proj_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    # The checkpoint stores a layer's experts fused as 3-D tensors (`experts.gate_up_proj` [E, 2I, H], gate rows
+    # first, and `experts.down_proj` [E, H, I], no `.weight` suffix: the released Qwen3.5) instead of per expert
+    has_fused_storage: bool = False
+
+
+@dataclass(frozen=True)
+class LinearAttentionConfig:
+    """A Gated DeltaNet layer (Qwen3-Next, Qwen3.5): q/k heads of `head_k_dim`, v heads of `head_v_dim` (q and k
+    repeated to the v-head count), a causal depthwise conv of `conv_kernel` taps over the q/k/v channels, and a
+    float32 recurrent state [num_v_heads, head_k_dim, head_v_dim] per sequence. `projection`: how the checkpoint
+    projects the input: "qkvz_ba" (Qwen3-Next: `in_proj_qkvz` and `in_proj_ba`, grouped per k-head) or
+    "qkv_z_b_a" (Qwen3.5: `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`)."""
+
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int
+    projection: str
+    eps: float
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.num_k_heads * self.head_k_dim + self.num_v_heads * self.head_v_dim
+
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Per-sequence shapes of the recurrent state (float32) and of the conv state (model dtype)."""
+        return (self.num_v_heads, self.head_k_dim, self.head_v_dim), (self.conv_dim, self.conv_kernel - 1)
 
 
 @dataclass(frozen=True)
@@ -91,6 +122,12 @@ class LayerSpec:
     attention: AttentionConfig
     rope: RopeConfig
     mlp: str  # "moe" (routed experts) or "dense" (one gated MLP)
+    # A Gated DeltaNet in place of attention (`linear_attn`, with a per-sequence state slot), or None: `attention`
+    linear: LinearAttentionConfig | None = None
+
+    @property
+    def is_recurrent(self) -> bool:
+        return self.linear is not None
 
 
 @dataclass(frozen=True)
@@ -114,6 +151,8 @@ class ModelConfig:
     # Per-layer specs where layers differ (window, KV heads, head dims, RoPE); empty: every layer has `attention`
     # and `rope`. Read them through `layers`.
     layer_specs: tuple[LayerSpec, ...] = ()
+    # Every RMSNorm but the GDN output norm scales by (1 + w), in float32 (Gemma-style, Qwen3-Next, Qwen3.5)
+    has_offset_norms: bool = False
 
     @property
     def layers(self) -> tuple[LayerSpec, ...]:
@@ -121,6 +160,10 @@ class ModelConfig:
         if self.layer_specs:
             return self.layer_specs
         return tuple(LayerSpec(self.attention, self.rope, "moe" if is_moe else "dense") for is_moe in self.moe_layers)
+
+    @property
+    def has_recurrent_layers(self) -> bool:
+        return any(spec.is_recurrent for spec in self.layers)
 
     @property
     def num_moe_layers(self) -> int:

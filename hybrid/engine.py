@@ -41,12 +41,15 @@ class StepOutput:
 
 @dataclass(frozen=True)
 class EngineStats:
-    """A snapshot for metrics: requests by state and KV-cache pages (over all cache groups)."""
+    """A snapshot for metrics: requests by state, KV-cache pages (over all cache groups) and recurrent-state slots
+    (0 and 0 for a model without recurrent layers)."""
 
     num_running: int
     num_waiting: int
     num_blocks: int
     num_free_blocks: int
+    num_state_slots: int = 0
+    num_free_state_slots: int = 0
 
 
 class Engine:
@@ -121,8 +124,9 @@ class Engine:
             self._detokenizers.pop(request_id, None)
 
     def stats(self) -> EngineStats:
+        slots = self.blocks.state_slots
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.blocks.num_blocks,
-                           self.blocks.num_free)
+                           self.blocks.num_free, slots.num_slots if slots else 0, slots.num_free if slots else 0)
 
     def close(self) -> None:
         if self.runner is not self.llm.runner:

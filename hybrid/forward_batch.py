@@ -5,7 +5,9 @@ query_start_loc[b]:query_start_loc[b+1], which are its positions seq_lens[b] - q
 The KV cache is split into cache groups (`hybrid.cache_groups`), each with its own pages: in group g, sequence b's
 KV lives in the pages listed in block_tables[g][b], and token t's new KV goes to slot slot_mappings[g][t]
 (page * block_size + offset). An attention layer sees its own group's tables through `for_group`. Host copies of
-the lengths let the reference paths loop without device syncs.
+the lengths let the reference paths loop without device syncs. A model with recurrent layers (Gated DeltaNet) gives
+each sequence a state slot: `state_slots[b]` indexes the layers' state pools, and `has_initial_state[b]` says its
+chunk resumes the sequence (num_computed > 0) rather than starting from zero states.
 
 `StepInputs.prepare` is the one place a step's positions, slots and tables are computed (the slot formula lives in
 `slot`): eager steps turn them into a `ForwardBatch`, CUDA-graph steps copy them into their static buffers.
@@ -29,6 +31,7 @@ class SequenceSlice:
     num_computed: int
     num_new: int
     block_tables: Sequence[list[int]]
+    state_slot: int = -1  # its recurrent-state slot (`hybrid.block_manager.StateSlotPool`), -1: none
 
 
 def slot(block_table: list[int], position: int, block_size: int) -> int:
@@ -48,6 +51,8 @@ class StepInputs:
     block_tables: list[list[list[int]]]  # per group, [B][pages], released pages as 0, rows ragged
     seq_lens: list[int]
     query_start_loc: list[int]
+    state_slots: list[int] = field(default_factory=list)  # [B], -1 where a sequence has none
+    has_initial_state: list[bool] = field(default_factory=list)  # [B]
 
     @classmethod
     def prepare(cls, seqs: Sequence[SequenceSlice], block_size: int) -> StepInputs:
@@ -66,7 +71,8 @@ class StepInputs:
             seq_lens.append(end)
         # a released entry reads as page 0: in bounds, and the kernels never read a key before the window
         tables = [[[max(page, 0) for page in seq.block_tables[group]] for seq in seqs] for group in range(num_groups)]
-        return cls(positions, slots, tables, seq_lens, starts)
+        return cls(positions, slots, tables, seq_lens, starts, [seq.state_slot for seq in seqs],
+                   [seq.num_computed > 0 for seq in seqs])
 
     @property
     def query_lens(self) -> list[int]:
@@ -89,6 +95,10 @@ class ForwardBatch:
     seq_lens_cpu: list[int]
     query_lens_cpu: list[int]
     group: int = 0  # the cache group whose tables `slot_mapping` and `block_tables` are
+    state_slots: torch.Tensor | None = None  # [B] int32, recurrent-state slot per sequence (-1: none)
+    has_initial_state: torch.Tensor | None = None  # [B] bool: the chunk resumes its sequence's states
+    state_slots_cpu: list[int] = field(default_factory=list)
+    has_initial_state_cpu: list[bool] = field(default_factory=list)
     _views: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
@@ -134,6 +144,10 @@ class ForwardBatch:
             block_size=block_size,
             seq_lens_cpu=inputs.seq_lens,
             query_lens_cpu=inputs.query_lens,
+            state_slots=ints(inputs.state_slots, torch.int32),
+            has_initial_state=ints(inputs.has_initial_state, torch.bool),
+            state_slots_cpu=inputs.state_slots,
+            has_initial_state_cpu=inputs.has_initial_state,
         )
 
     @classmethod

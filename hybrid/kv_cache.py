@@ -6,6 +6,7 @@ allocates the tensors and binds them (and the group) to the layers."""
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Sequence
 
@@ -49,4 +50,32 @@ def allocate_kv_cache(attention_layers, groups: Sequence[CacheGroup], block_size
     log.info("KV cache: %d tokens (%d groups, %d pages of %d), %.2f GiB on %s, allocated in %.2f s",
              max(g.num_blocks for g in groups) * block_size, len(groups), sum(g.num_blocks for g in groups),
              block_size, num_bytes / 2**30, device, time.perf_counter() - start)
+    return caches
+
+
+def state_slot_bytes(state_layers, dtype: torch.dtype) -> int:
+    """Bytes one recurrent-state slot takes over all recurrent layers: the float32 state and the conv state."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    total = 0
+    for layer in state_layers:
+        state_shape, conv_shape = layer.state_shapes()
+        total += math.prod(state_shape) * 4 + math.prod(conv_shape) * elem
+    return total
+
+
+def allocate_state_cache(state_layers, num_slots: int, dtype: torch.dtype,
+                         device: torch.device | str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Allocates and binds each recurrent layer's slot pools (`state_cache`: float32 recurrent states
+    [num_slots, ...] and conv states [num_slots, conv_dim, K - 1] in `dtype`); returns them."""
+    layers = list(state_layers)
+    caches = []
+    for layer in layers:
+        state_shape, conv_shape = layer.state_shapes()
+        pools = (torch.zeros(num_slots, *state_shape, dtype=torch.float32, device=device),
+                 torch.zeros(num_slots, *conv_shape, dtype=dtype, device=device))
+        layer.state_cache = pools
+        caches.append(pools)
+    log.info("Recurrent state cache: %d slots over %d layers, %.2f GiB on %s (prefix caching is off for models "
+             "with recurrent layers)", num_slots, len(layers),
+             state_slot_bytes(layers, dtype) * num_slots / 2**30, device)
     return caches

@@ -7,6 +7,7 @@ inputs and sampling have one implementation."""
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -22,7 +23,7 @@ from hybrid.cpu_handoff import CpuHandoff
 from hybrid.engine_config import EngineConfig
 from hybrid.errors import ConfigError
 from hybrid.forward_batch import SequenceSlice
-from hybrid.kv_cache import allocate_kv_cache, kv_cache_bytes
+from hybrid.kv_cache import allocate_kv_cache, allocate_state_cache, kv_cache_bytes, state_slot_bytes
 from hybrid.layers.backends import Backends, uses_gemm_kernels
 from hybrid.loader import load_weights
 from hybrid.model_runner import ModelRunner
@@ -32,6 +33,8 @@ from hybrid.placement import ExpertPlacement, RoutingRecorder, RoutingStats, act
 from hybrid.routed_experts import RoutedExperts, cpu_experts_factory
 from hybrid.sampling import NON_FINITE_LOGITS, SamplingParams
 from hybrid.streaming import attach_streamed, min_streamed_tokens, reserve_bytes
+
+log = logging.getLogger(__name__)
 
 
 def build_model(cls: type[MoECausalLM], config, engine: EngineConfig, backends: Backends | None = None):
@@ -113,13 +116,25 @@ class LLM:
             self.cpu_handoff.executor = self.cpu_executor
         # the one owner of this model's KV pages: every engine over it and prefill_logits take pages from it
         groups = self._cache_groups(self.model, num_blocks)
-        self.blocks = CacheGroupBlocks(groups, block_size, cfg.enable_prefix_caching)
+        is_recurrent = self.config.has_recurrent_layers
+        if is_recurrent and cfg.enable_prefix_caching:
+            # a hit would need the recurrent states as they were at the hit's last page, which are not kept
+            log.info("%s has recurrent (Gated DeltaNet) layers: prefix caching is off", self.config.architecture)
+        self.blocks = CacheGroupBlocks(groups, block_size, cfg.enable_prefix_caching and not is_recurrent,
+                                       self.num_state_slots)
         self.engine = None  # what generate() runs through: the newest Engine(self), else one generate() builds
         self._owns_engine = False
         self.kv_caches = allocate_kv_cache(self.model.attention_layers(), groups, block_size, cfg.torch_dtype,
                                            cfg.device)
+        self.state_caches = allocate_state_cache(self.model.state_layers(), self.num_state_slots, cfg.torch_dtype,
+                                                 cfg.device) if is_recurrent else []
         self.num_forward_tokens = 0
         self.runner = ModelRunner(self)  # eager: prefill_logits, and the engines that capture no graphs
+
+    @property
+    def num_state_slots(self) -> int:
+        """Recurrent-state slots of a model with recurrent layers (one per request the engine runs), else 0."""
+        return self.engine_config.max_num_seqs if self.config.has_recurrent_layers else 0
 
     def _cache_groups(self, model, num_full_blocks: int):
         cfg = self.engine_config
@@ -159,6 +174,7 @@ class LLM:
                            Backends(make_experts=partial(cpu_experts_factory, handoff=CpuHandoff())))
         dense_bytes = sum(t.numel() * t.element_size() for t in itertools.chain(meta.parameters(), meta.buffers()))
         kv_bytes = kv_cache_bytes(self._cache_groups(meta, num_blocks), cfg.block_size, cfg.torch_dtype)
+        kv_bytes += state_slot_bytes(meta.state_layers(), cfg.torch_dtype) * self.num_state_slots
         moe = self.config.moe
         streaming = reserve_bytes(moe.num_experts, self.config.hidden_size, moe.intermediate_size) \
             if self.gpu_prefill_tokens else 0
@@ -199,6 +215,11 @@ class LLM:
         groups' free pages allow, their out-of-window pages given back between chunks."""
         self._check_prompt(token_ids, 0)
         tables, num_computed, logits = self.blocks.new_tables(), 0, []
+        slots = self.blocks.state_slots
+        state_slot = slots.allocate() if slots is not None else -1
+        if state_slot is None:
+            raise OutOfBlocks("prefill_logits: no free recurrent-state slot (the engine's requests hold them); "
+                              "finish them first")
         try:
             while num_computed < len(token_ids):
                 self.blocks.release_out_of_window(tables, num_computed)
@@ -207,11 +228,13 @@ class LLM:
                     raise OutOfBlocks(f"prefill_logits of {len(token_ids)} tokens: no free KV pages (the engine's "
                                       f"requests hold them); finish them first")
                 self.blocks.allocate(tables, num_computed + num_new)
-                seq = SequenceSlice(num_computed, num_new, tables)
+                seq = SequenceSlice(num_computed, num_new, tables, state_slot)
                 logits.append(self.runner.execute([seq], token_ids[num_computed:num_computed + num_new]))
                 num_computed += num_new
         finally:
             self.blocks.free(tables)
+            if slots is not None:
+                slots.free(state_slot)
         return logits[0] if len(logits) == 1 else torch.cat(logits)
 
     def generate(self, token_ids: list[int], max_new_tokens: int = 16, *, temperature: float = 0.0,

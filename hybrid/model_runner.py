@@ -36,9 +36,11 @@ class ModelRunner:
     @staticmethod
     def can_capture(llm) -> bool:
         """Decode as CUDA graphs where they can run: CUDA, the Triton attention kernels (the PyTorch attention
-        loops over host lengths, which a graph would freeze), and `cuda_graph` left on."""
+        loops over host lengths, which a graph would freeze), no recurrent layers, and `cuda_graph` left on."""
         cfg = llm.engine_config
-        return cfg.cuda_graph and cfg.is_cuda and llm.backends.attention.name == "triton"
+        # the PyTorch Gated DeltaNet loops over host lengths too, until its kernels take the slots on the device
+        return (cfg.cuda_graph and cfg.is_cuda and llm.backends.attention.name == "triton"
+                and not llm.config.has_recurrent_layers)
 
     @classmethod
     def for_engine(cls, llm, max_num_seqs: int, allow_cuda_graphs: bool) -> ModelRunner:
@@ -56,7 +58,7 @@ class ModelRunner:
         seqs, input_ids, rows, row = [], [], [], -1
         for chunk in chunks:
             r = chunk.request
-            seqs.append(SequenceSlice(r.num_computed, chunk.num_new, r.block_tables))
+            seqs.append(SequenceSlice(r.num_computed, chunk.num_new, r.block_tables, r.state_slot))
             input_ids += r.token_ids[r.num_computed:r.num_computed + chunk.num_new]
             row += chunk.num_new
             if chunk.is_last:

@@ -18,7 +18,7 @@ import torch
 
 from cpu_experts.module import CpuExperts
 from hybrid.cpu_handoff import CpuHandoff, StepMode
-from hybrid.layers.moe import TritonExperts
+from hybrid.layers.moe import TritonExperts, fused_expert_targets
 from hybrid.placement import ExpertPlacement
 from hybrid.streaming import StreamedPrefill
 
@@ -61,6 +61,9 @@ class RoutedExperts(TritonExperts):
 
     def checkpoint_targets(self):
         """Slot s holds expert gpu_expert_ids[s]: named by its global id, as checkpoints and expert files name it."""
+        if self.has_fused_storage:
+            yield from fused_expert_targets(self, self.gpu_expert_ids, self.num_experts)
+            return
         for name in self.proj_names:
             stacked = getattr(self, name)
             for slot, expert in enumerate(self.gpu_expert_ids):

@@ -8,7 +8,10 @@ of its full pages once, when the page fills (`advance`), and publishes it to the
 one block table per cache group; at each step start, sliding-window groups take back the pages before its window.
 When a running request needs a page and none is free, the newest running request is preempted: its pages are freed
 and it waits again at the head of the queue, to be recomputed (its tokens so far are kept); a windowed group short
-of pages only shrinks a prefill chunk. Nothing here touches torch.
+of pages only shrinks a prefill chunk. A model with recurrent layers also gives each running request a state slot
+(`CacheGroupBlocks.state_slots`), taken on admission and given back on finish, preemption or cancellation (a
+preempted request recomputes its states from its first token); with no slot free, admission waits, as it does for
+pages. Nothing here touches torch.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ class Request:
     page_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full pages, each hashed once
     num_published: int = 0  # leading pages of the block tables published to the prefix cache
     finish_reason: str | None = None  # "stop", "length" or "cancelled"
+    state_slot: int = -1  # its recurrent-state slot while it runs (models with recurrent layers), else -1
 
     @property
     def token_ids(self) -> list[int]:
@@ -92,7 +96,10 @@ class Scheduler:
                 continue
             chunks.append(ScheduledChunk(request, num_new))
             budget -= num_new
+        slots = self.blocks.state_slots
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            if slots is not None and slots.num_free == 0:
+                break  # every state slot is held: the queue waits for a request to finish
             request = self.waiting[0]
             num_pages, request.block_tables = self._match_prefix(request)
             request.num_computed = num_pages * self.blocks.block_size
@@ -102,6 +109,8 @@ class Scheduler:
                 self._release(request)
                 break  # first come, first served: nothing overtakes the head of the queue
             self.waiting.popleft()
+            if slots is not None:
+                request.state_slot = slots.allocate()
             self.running.append(request)
             chunks.append(ScheduledChunk(request, num_new))
             budget -= num_new
@@ -156,5 +165,8 @@ class Scheduler:
         self._release(request)
 
     def _release(self, request: Request) -> None:
+        if self.blocks.state_slots is not None:
+            self.blocks.state_slots.free(request.state_slot)
+        request.state_slot = -1
         self.blocks.free(request.block_tables)
         request.block_tables, request.num_computed, request.num_published = [], 0, 0

@@ -15,18 +15,20 @@ from hybrid.layers.rotary import RotaryEmbedding
 
 
 class GQAAttention(nn.Module):
-    def __init__(self, cfg: AttentionConfig, hidden_size: int, eps: float, rotary: RotaryEmbedding, backend):
+    def __init__(self, cfg: AttentionConfig, hidden_size: int, eps: float, rotary: RotaryEmbedding, backend,
+                 norm_cls: type[RMSNorm] = RMSNorm):
         super().__init__()
         self.cfg = cfg
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.q_proj = nn.Linear(hidden_size, q_size, bias=cfg.has_qkv_bias)
+        q_out = 2 * q_size if cfg.has_output_gate else q_size
+        self.q_proj = nn.Linear(hidden_size, q_out, bias=cfg.has_qkv_bias)
         self.k_proj = nn.Linear(hidden_size, kv_size, bias=cfg.has_qkv_bias)
         self.v_proj = nn.Linear(hidden_size, cfg.num_kv_heads * cfg.v_head_dim, bias=cfg.has_qkv_bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.v_head_dim, hidden_size, bias=cfg.has_o_bias)
         if cfg.qk_norm != "none":
             is_whole = cfg.qk_norm == "whole"
-            self.q_norm = RMSNorm(q_size if is_whole else cfg.head_dim, eps, rotary.ops)
-            self.k_norm = RMSNorm(kv_size if is_whole else cfg.head_dim, eps, rotary.ops)
+            self.q_norm = norm_cls(q_size if is_whole else cfg.head_dim, eps, rotary.ops)
+            self.k_norm = norm_cls(kv_size if is_whole else cfg.head_dim, eps, rotary.ops)
         if cfg.has_sinks:
             self.sinks = nn.Parameter(torch.empty(cfg.num_heads))
         self.rotary = rotary
@@ -40,7 +42,11 @@ class GQAAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         cfg, num_tokens = self.cfg, x.shape[0]
-        q, k = self.q_proj(x), self.k_proj(x)  # [T, Hq * D], [T, Hkv * D]
+        q, k = self.q_proj(x), self.k_proj(x)  # [T, Hq * D] ([T, Hq * 2D] with the gate), [T, Hkv * D]
+        gate = None
+        if cfg.has_output_gate:  # per head [q | gate]
+            q, gate = q.view(num_tokens, cfg.num_heads, 2 * cfg.head_dim).split(cfg.head_dim, dim=-1)
+            q, gate = q.reshape(num_tokens, -1), gate.reshape(num_tokens, -1)
         if cfg.qk_norm == "whole":  # one RMS over all heads: must come before the split into heads
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)  # [T, Hq, D]
@@ -55,4 +61,7 @@ class GQAAttention(nn.Module):
         sinks = self.sinks.float() if cfg.has_sinks else None
         out = self.backend.gqa(q, k, v, self.kv_cache, batch.for_group(self.cache_group), cfg.scale,
                                cfg.sliding_window, sinks)
-        return self.o_proj(out.reshape(num_tokens, cfg.num_heads * cfg.v_head_dim))
+        out = out.reshape(num_tokens, cfg.num_heads * cfg.v_head_dim)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)

@@ -22,11 +22,29 @@ from torch import nn
 from gpu_layers import reference
 from hybrid.config import AttentionConfig, ModelConfig
 from hybrid.forward_batch import ForwardBatch
+from hybrid.layers.delta_net import torch_causal_conv1d, torch_gated_delta_rule
 from hybrid.layers.ops import TORCH_OPS, DenseOps, dense_ops_for
 from hybrid.routed_experts import device_experts_factory
 
 
-class TorchAttentionBackend:
+class _TorchGatedDeltaNet:
+    """The Gated DeltaNet's conv and delta rule over per-sequence state slots, in plain PyTorch (one token at a time
+    in float32, `hybrid.layers.delta_net`); every backend has them until the Triton ones plug in."""
+
+    def causal_conv1d(self, x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Tensor,
+                      batch: ForwardBatch) -> torch.Tensor:
+        """x [T, C], weight [C, K], conv_pool [num_slots, C, K - 1] -> silu(causal depthwise conv) [T, C]."""
+        return torch_causal_conv1d(x, weight, conv_pool, batch)
+
+    def gated_delta_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                         beta: torch.Tensor, state_pool: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """q, k [T, Hv, Dk] (L2-normalised here), v [T, Hv, Dv], g (log decay), beta [T, Hv]; state_pool float32
+        [num_slots, Hv, Dk, Dv], read (where `batch.has_initial_state`) and written at `batch.state_slots`
+        -> [T, Hv, Dv]."""
+        return torch_gated_delta_rule(q, k, v, g, beta, state_pool, batch)
+
+
+class TorchAttentionBackend(_TorchGatedDeltaNet):
     """Plain-PyTorch paged attention (gpu_layers.reference): the CPU path and the oracle for the kernels."""
 
     name = "torch"
@@ -71,7 +89,7 @@ class TorchAttentionBackend:
         )
 
 
-class TritonAttentionBackend:
+class TritonAttentionBackend(_TorchGatedDeltaNet):
     """The paged-attention kernels of `gpu_layers`: the KV-cache write, then decode (split-K over the context) when
     every sequence of the step has one new token, else prefill/extend (causal over the paged prefix)."""
 

@@ -68,8 +68,40 @@ class Router(_HoldsCorrectionBias):
         )
 
 
+class FusedExpertsTarget:
+    """The loader's destination for a fused 3-D expert tensor (`experts.gate_up_proj` [E, 2I, H], gate rows first;
+    `experts.down_proj` [E, H, I]): it has the stored shape, and `copy_` spreads each resident expert's rows into
+    that expert's per-expert parameters (`pieces`: (expert id, row slice, destination view))."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, pieces: list[tuple[int, slice, torch.Tensor]]):
+        self.shape, self.dtype, self.pieces = torch.Size(shape), dtype, pieces
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def copy_(self, tensor: torch.Tensor) -> None:
+        for expert, rows, dest in self.pieces:
+            dest.copy_(tensor[expert, rows])
+
+
+def fused_expert_targets(module: nn.Module, expert_ids, num_experts: int):
+    """(suffix, FusedExpertsTarget) for a stacked-experts module whose slot s holds expert `expert_ids[s]`."""
+    gate, up, down = (getattr(module, n) for n in module.proj_names)
+    inter, hidden = gate.shape[1], gate.shape[2]
+    yield "gate_up_proj", FusedExpertsTarget(
+        (num_experts, 2 * inter, hidden), gate.dtype,
+        [piece for s, e in enumerate(expert_ids)
+         for piece in ((e, slice(0, inter), gate.data[s]), (e, slice(inter, 2 * inter), up.data[s]))])
+    yield "down_proj", FusedExpertsTarget((num_experts, hidden, inter), down.dtype,
+                                          [(e, slice(None), down.data[s]) for s, e in enumerate(expert_ids)])
+
+
 class TorchExperts(nn.Module):
-    """All of a layer's routed experts as stacked tensors, computed by the plain-PyTorch reference."""
+    """All of a layer's routed experts as stacked tensors, computed by the plain-PyTorch reference. With
+    `has_fused_storage` (set by the model: `MoEConfig.has_fused_storage`) the checkpoint names them as two fused
+    3-D tensors (`FusedExpertsTarget`), else one name per expert and projection."""
+
+    has_fused_storage = False
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  proj_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")):
@@ -82,6 +114,10 @@ class TorchExperts(nn.Module):
 
     def checkpoint_targets(self):
         """(checkpoint suffix, destination view) pairs: expert e's `{e}.gate_proj.weight` is row e of the stack."""
+        if self.has_fused_storage:
+            yield from fused_expert_targets(self, range(getattr(self, self.proj_names[0]).shape[0]),
+                                            getattr(self, self.proj_names[0]).shape[0])
+            return
         for name in self.proj_names:
             stacked = getattr(self, name)
             for e in range(stacked.shape[0]):

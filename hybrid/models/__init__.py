@@ -18,6 +18,7 @@ from hybrid.models.kimi import KimiK25ForConditionalGeneration
 from hybrid.models.mimo_v2_flash import MiMoV2FlashForCausalLM
 from hybrid.models.minimax import MiniMaxM2ForCausalLM
 from hybrid.models.mixtral import MixtralForCausalLM
+from hybrid.models.qwen3_next import Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration, Qwen3NextForCausalLM
 from hybrid.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[MoECausalLM]] = {
@@ -32,6 +33,9 @@ MODEL_REGISTRY: dict[str, type[MoECausalLM]] = {
     "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,  # MiniMax-M2, M2.1, M2.5, M2.7
     "GptOssForCausalLM": GptOssForCausalLM,  # gpt-oss-20b, gpt-oss-120b
     "MiMoV2FlashForCausalLM": MiMoV2FlashForCausalLM,  # MiMo-V2-Flash
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,  # Qwen3-Next-80B-A3B
+    "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeForConditionalGeneration,  # Qwen3.5/3.6-MoE as released
+    "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,  # Qwen3.5-MoE, text only
 }
 SUPPORTED_ARCHITECTURES = tuple(sorted(MODEL_REGISTRY))
 

@@ -17,25 +17,30 @@ from hybrid.config import ModelConfig, RawConfig
 from hybrid.forward_batch import ForwardBatch
 from hybrid.layers.attention import GQAAttention
 from hybrid.layers.backends import Backends
+from hybrid.layers.delta_net import GatedDeltaNet
 from hybrid.layers.mla import MLAAttention
 from hybrid.layers.mlp import GatedMLP
 from hybrid.layers.moe import ExpertDeferral, SparseMoE
-from hybrid.layers.norm import RMSNorm
+from hybrid.layers.norm import OffsetRMSNorm, RMSNorm
 from hybrid.layers.ops import DenseOps
 from hybrid.layers.rotary import RotaryEmbedding
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, attn: nn.Module, ff: nn.Module, ff_name: str, hidden_size: int, eps: float, ops: DenseOps):
+    """`mixer_name`: the token mixer's attribute, `self_attn` (attention) or `linear_attn` (a Gated DeltaNet)."""
+
+    def __init__(self, attn: nn.Module, ff: nn.Module, ff_name: str, hidden_size: int, eps: float, ops: DenseOps,
+                 mixer_name: str = "self_attn", norm_cls: type[RMSNorm] = RMSNorm):
         super().__init__()
-        self.self_attn = attn
+        self.mixer_name = mixer_name
+        setattr(self, mixer_name, attn)
         self.ff_name = ff_name
         setattr(self, ff_name, ff)
-        self.input_layernorm = RMSNorm(hidden_size, eps, ops)
-        self.post_attention_layernorm = RMSNorm(hidden_size, eps, ops)
+        self.input_layernorm = norm_cls(hidden_size, eps, ops)
+        self.post_attention_layernorm = norm_cls(hidden_size, eps, ops)
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), batch)
+        hidden = hidden + getattr(self, self.mixer_name)(self.input_layernorm(hidden), batch)
         return hidden + getattr(self, self.ff_name)(self.post_attention_layernorm(hidden))
 
 
@@ -62,18 +67,21 @@ class MoECausalLM(nn.Module):
         rotaries: dict = {}  # one RotaryEmbedding per distinct RoPE: layers of one kind share its tables
         for spec in config.layers:
             rotaries.setdefault(spec.rope, RotaryEmbedding(spec.rope, backends.ops))
+        norm_cls = OffsetRMSNorm if config.has_offset_norms else RMSNorm
         self.model.layers = nn.ModuleList(
             DecoderLayer(
-                self._make_attention(i, rotaries[config.layers[i].rope], backends),
+                self._make_mixer(i, rotaries[config.layers[i].rope], backends),
                 self._make_ff(i, backends),
                 self.ff_name,
                 config.hidden_size,
                 config.rms_norm_eps,
                 backends.ops,
+                "linear_attn" if config.layers[i].is_recurrent else "self_attn",
+                norm_cls,
             )
             for i in range(config.num_layers)
         )
-        self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backends.ops)
+        self.model.norm = norm_cls(config.hidden_size, config.rms_norm_eps, backends.ops)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -82,12 +90,15 @@ class MoECausalLM(nn.Module):
     def parse_config(cls, raw: RawConfig, checkpoint_dir=None) -> ModelConfig:
         raise NotImplementedError
 
-    def _make_attention(self, layer_idx: int, rotary: RotaryEmbedding, backends: Backends) -> nn.Module:
+    def _make_mixer(self, layer_idx: int, rotary: RotaryEmbedding, backends: Backends) -> nn.Module:
         cfg = self.config
-        attention = cfg.layers[layer_idx].attention
-        if attention.kind == "mla":
-            return MLAAttention(attention, cfg.hidden_size, rotary, backends.attention)
-        return GQAAttention(attention, cfg.hidden_size, cfg.rms_norm_eps, rotary, backends.attention)
+        spec = cfg.layers[layer_idx]
+        if spec.linear is not None:
+            return GatedDeltaNet(spec.linear, cfg.hidden_size, backends.attention)
+        if spec.attention.kind == "mla":
+            return MLAAttention(spec.attention, cfg.hidden_size, rotary, backends.attention)
+        return GQAAttention(spec.attention, cfg.hidden_size, cfg.rms_norm_eps, rotary, backends.attention,
+                            OffsetRMSNorm if cfg.has_offset_norms else RMSNorm)
 
     def _make_ff(self, layer_idx: int, backends: Backends) -> nn.Module:
         cfg = self.config
@@ -123,7 +134,12 @@ class MoECausalLM(nn.Module):
     # --- running ---
 
     def attention_layers(self) -> list[nn.Module]:
-        return [layer.self_attn for layer in self.model.layers]
+        """The layers with a paged KV cache (not the recurrent ones: `state_layers`)."""
+        return [layer.self_attn for layer in self.model.layers if layer.mixer_name == "self_attn"]
+
+    def state_layers(self) -> list[nn.Module]:
+        """The recurrent layers (Gated DeltaNet), each with per-sequence state slots."""
+        return [layer.linear_attn for layer in self.model.layers if layer.mixer_name == "linear_attn"]
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """input_ids [T] -> final hidden states [T, H]."""

@@ -1,0 +1,274 @@
+"""Qwen3-Next and Qwen3.5-MoE: parity with transformers on tiny random checkpoints that transformers writes (the
+Qwen3.5 one through its multimodal wrapper, with a tiny vision tower), the parsed layer specs, the (1 + w) norms,
+the gated attention, fused expert storage, and the engine's recurrent-state slots (batching with chunked prefill,
+preemption, cancellation, an exhausted slot pool)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from hybrid.engine import Engine
+from hybrid.forward_batch import ForwardBatch, SequenceSlice
+from hybrid.layers.norm import OffsetRMSNorm
+from hybrid.llm import LLM
+from hybrid.models import load_model_config
+
+transformers = pytest.importorskip("transformers")
+
+NUM_LAYERS = 4  # layers 0-2 Gated DeltaNet, layer 3 full attention
+TEXT = dict(vocab_size=128, hidden_size=64, num_hidden_layers=NUM_LAYERS, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+            linear_key_head_dim=16, linear_value_head_dim=8, moe_intermediate_size=32,
+            shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2)
+VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+PROMPT_LENS = (1, 7, 33, 200)
+NUM_GREEDY = 32
+MAX_MODEL_LEN = 256
+CHUNK = 48  # max_num_batched_tokens of the chunked engines: a 200-token prompt takes five chunks
+
+
+def _perturbed(model):
+    """transformers initialises the norms to 0 (or 1) and the DeltaNet's A_log/dt_bias to fixed ranges: noise on
+    every parameter makes (1 + w) against w, and every other weight, visible."""
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=gen) * 0.05)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def qwen3_next(tmp_path_factory):
+    torch.manual_seed(0)
+    config = transformers.Qwen3NextConfig(**TEXT, intermediate_size=96)
+    model = _perturbed(transformers.Qwen3NextForCausalLM(config))
+    path = tmp_path_factory.mktemp("qwen3_next")
+    model.save_pretrained(path)
+    return path, model
+
+
+@pytest.fixture(scope="module")
+def qwen3_5(tmp_path_factory):
+    torch.manual_seed(0)
+    config = transformers.Qwen3_5MoeConfig(text_config=TEXT, vision_config=VISION)
+    model = _perturbed(transformers.Qwen3_5MoeForConditionalGeneration(config))
+    path = tmp_path_factory.mktemp("qwen3_5")
+    model.save_pretrained(path)
+    return path, model
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_fused(qwen3_5, tmp_path_factory):
+    """The Qwen3.5 checkpoint with its experts stored as the released one stores them: fused 3-D tensors."""
+    path, _ = qwen3_5
+    tensors = load_file(str(path / "model.safetensors"))
+    fused = {name: t for name, t in tensors.items() if ".mlp.experts." not in name}
+    experts = range(TEXT["num_experts"])
+    for layer in range(NUM_LAYERS):
+        prefix = f"model.language_model.layers.{layer}.mlp.experts"
+        fused[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat((tensors[f"{prefix}.{e}.gate_proj.weight"],
+                                                                  tensors[f"{prefix}.{e}.up_proj.weight"]))
+                                                       for e in experts])
+        fused[f"{prefix}.down_proj"] = torch.stack([tensors[f"{prefix}.{e}.down_proj.weight"] for e in experts])
+    out = tmp_path_factory.mktemp("qwen3_5_fused")
+    save_file(fused, str(out / "model.safetensors"))
+    shutil.copy(path / "config.json", out / "config.json")
+    return out
+
+
+def _llm(path, **options):
+    options = {"device": "cpu", "dtype": "float32", "expert_placement": "device", "max_model_len": MAX_MODEL_LEN,
+               "max_num_seqs": 4} | options
+    return LLM(path, **options)
+
+
+def _prompt(length: int, seed: int = 0) -> list[int]:
+    return torch.randint(0, TEXT["vocab_size"], (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _reference_greedy(model, prompt: list[int]) -> list[int]:
+    """Greedy tokens from transformers' uncached forward over the whole sequence at each step: its cached decode
+    (5.17) leaves its own uncached logits after a 200-token prompt (the third token differs), ours does not."""
+    tokens = list(prompt)
+    with torch.no_grad():
+        for _ in range(NUM_GREEDY):
+            tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
+    return tokens[len(prompt):]
+
+
+@pytest.fixture(scope="module")
+def next_llm(qwen3_next):
+    return _llm(qwen3_next[0])
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5"])
+def test_parity_with_transformers(arch, request):
+    path, model = request.getfixturevalue(arch)
+    llm = request.getfixturevalue("next_llm") if arch == "qwen3_next" else _llm(path)
+    engine = Engine(llm, max_num_batched_tokens=CHUNK, max_num_seqs=1)  # prompts in chunks, states carried over
+    try:
+        for length in PROMPT_LENS:
+            prompt = _prompt(length, seed=length)
+            with torch.no_grad():
+                ref = model(torch.tensor([prompt])).logits[0].float()
+            ours = llm.prefill_logits(prompt)
+            assert (ours - ref).abs().max() <= 1e-4 * ref.abs().max(), f"{arch}: prefill of {length} tokens"
+            tokens = engine.generate([prompt], max_tokens=NUM_GREEDY, ignore_eos=True)[0]
+            assert tokens == _reference_greedy(model, prompt), f"{arch}: greedy after a prompt of {length} tokens"
+    finally:
+        engine.close()
+
+
+def test_config_parsed_into_layer_specs(qwen3_next, qwen3_5):
+    _, config = load_model_config(qwen3_next[0])
+    assert [spec.is_recurrent for spec in config.layers] == [True, True, True, False]
+    linear = config.layers[0].linear
+    assert (linear.num_k_heads, linear.num_v_heads, linear.head_k_dim, linear.head_v_dim, linear.conv_kernel) == \
+        (2, 4, 16, 8, 4)
+    assert linear.projection == "qkvz_ba" and linear.conv_dim == 2 * 2 * 16 + 4 * 8
+    full = config.layers[3]
+    assert full.attention.has_output_gate and full.attention.qk_norm == "per_head"
+    assert full.rope.rotary_dim == 4  # partial rotary: a quarter of head_dim 16
+    assert config.has_offset_norms and config.moe.has_shared_gate and config.moe.norm_topk_prob
+    assert not config.moe.has_fused_storage
+    _, config = load_model_config(qwen3_5[0])
+    assert config.architecture == "Qwen3_5MoeForConditionalGeneration"
+    assert config.layers[0].linear.projection == "qkv_z_b_a" and all(config.moe_layers)
+
+
+def test_offset_norm_scales_by_one_plus_w():
+    norm = transformers.models.qwen3_next.modeling_qwen3_next.Qwen3NextRMSNorm(16, eps=1e-6)
+    ours = OffsetRMSNorm(16, 1e-6)
+    with torch.no_grad():
+        norm.weight.normal_()
+        ours.weight.copy_(norm.weight)
+    x = torch.randn(5, 16, dtype=torch.bfloat16)
+    assert torch.equal(ours(x), norm(x))
+
+
+def test_gated_attention_matches_transformers(qwen3_next, next_llm):
+    """Layer 3's attention alone: the query's gate half, sigmoid(gate) on the output, the (1 + w) q/k norms."""
+    _, model = qwen3_next
+    captured = {}
+    handle = model.model.layers[3].self_attn.register_forward_hook(
+        lambda module, args, kwargs, out: captured.update(x=kwargs["hidden_states"], out=out[0]), with_kwargs=True)
+    prompt = _prompt(21, seed=3)
+    with torch.no_grad():
+        model(torch.tensor([prompt]))
+    handle.remove()
+    blocks = next_llm.blocks
+    tables = blocks.new_tables()
+    blocks.allocate(tables, len(prompt))
+    try:
+        batch = ForwardBatch.build([SequenceSlice(0, len(prompt), tables)], blocks.block_size, "cpu")
+        with torch.no_grad():
+            ours = next_llm.model.model.layers[3].self_attn(captured["x"][0], batch)
+    finally:
+        blocks.free(tables)
+    torch.testing.assert_close(ours, captured["out"][0], rtol=1e-5, atol=1e-5)
+
+
+def test_fused_expert_storage_loads(qwen3_5, qwen3_5_fused):
+    plain, fused = _llm(qwen3_5[0]), _llm(qwen3_5_fused)
+    assert fused.config.moe.has_fused_storage and not plain.config.moe.has_fused_storage
+    prompt = _prompt(9, seed=9)
+    assert torch.equal(fused.prefill_logits(prompt), plain.prefill_logits(prompt))
+
+
+# --- the engine's state slots ---
+
+
+def _solo(llm, prompts, max_tokens):
+    engine = Engine(llm, max_num_batched_tokens=MAX_MODEL_LEN, max_num_seqs=1)
+    try:
+        return [engine.generate([p], max_tokens=max_tokens, ignore_eos=True)[0] for p in prompts]
+    finally:
+        engine.close()
+
+
+def _run(engine, prompts, max_tokens, on_step=None):
+    ids = [engine.add_request(p, max_tokens=max_tokens, ignore_eos=True) for p in prompts]
+    for _ in range(2000):
+        if not engine.has_work():
+            break
+        engine.step()
+        if on_step is not None:
+            on_step(engine)
+    return [engine.requests.pop(i).output_ids for i in ids]
+
+
+def _slots_match_running(engine):
+    stats = engine.stats()
+    assert stats.num_state_slots - stats.num_free_state_slots == stats.num_running
+
+
+def test_batched_chunked_prefill_gives_solo_tokens(next_llm):
+    prompts = [_prompt(n, seed=n) for n in (5, 60, 130, 17)]
+    solo = _solo(next_llm, prompts, 12)
+    engine = Engine(next_llm, max_num_batched_tokens=CHUNK, max_num_seqs=4)
+    try:
+        assert _run(engine, prompts, 12, _slots_match_running) == solo
+        stats = engine.stats()
+        assert stats.num_free_state_slots == stats.num_state_slots == 4
+    finally:
+        engine.close()
+
+
+def test_preemption_frees_slots_and_recomputes(qwen3_next):
+    llm = _llm(qwen3_next[0], kv_cache_tokens=MAX_MODEL_LEN)  # 16 pages: two 140-token requests need 18
+    prompts = [_prompt(110, seed=s) for s in (1, 2, 3)]
+    solo = _solo(llm, prompts, 30)
+    engine = Engine(llm, max_num_batched_tokens=CHUNK, max_num_seqs=3)
+    preempted = []
+    preempt = engine.scheduler.preempt
+    engine.scheduler.preempt = lambda r: (preempted.append(r.request_id), preempt(r))
+    try:
+        assert _run(engine, prompts, 30, _slots_match_running) == solo
+        assert preempted
+        assert engine.stats().num_free_state_slots == engine.stats().num_state_slots
+    finally:
+        engine.close()
+
+
+def test_cancel_frees_the_slot(next_llm):
+    prompts = [_prompt(30, seed=7), _prompt(12, seed=8)]
+    solo = _solo(next_llm, prompts[1:], 8)
+    engine = Engine(next_llm, max_num_batched_tokens=CHUNK, max_num_seqs=2)
+    try:
+        first, second = (engine.add_request(p, max_tokens=8, ignore_eos=True) for p in prompts)
+        engine.step()
+        assert engine.stats().num_free_state_slots == engine.stats().num_state_slots - 2
+        engine.cancel(first)
+        assert engine.stats().num_free_state_slots == engine.stats().num_state_slots - 1
+        while engine.has_work():
+            engine.step()
+        assert engine.requests[second].output_ids == solo[0]
+        assert engine.stats().num_free_state_slots == engine.stats().num_state_slots
+    finally:
+        engine.close()
+
+
+def test_exhausted_slot_pool_queues_requests(qwen3_next):
+    llm = _llm(qwen3_next[0], max_num_seqs=2)  # two state slots
+    prompts = [_prompt(n, seed=n) for n in (9, 14, 3, 22)]
+    solo = _solo(llm, prompts, 6)
+    engine = Engine(llm, max_num_batched_tokens=CHUNK, max_num_seqs=4)
+    try:
+        ids = [engine.add_request(p, max_tokens=6, ignore_eos=True) for p in prompts]
+        engine.step()
+        stats = engine.stats()
+        assert (stats.num_running, stats.num_waiting, stats.num_free_state_slots) == (2, 2, 0)
+        while engine.has_work():
+            engine.step()
+        assert [engine.requests[i].output_ids for i in ids] == solo
+        assert all(engine.requests[i].finish_reason == "length" for i in ids)
+    finally:
+        engine.close()
+
+
+def test_prefix_caching_is_off(next_llm):
+    assert not next_llm.blocks.enable_prefix_caching
