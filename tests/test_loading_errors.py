@@ -24,7 +24,8 @@ transformers.logging.set_verbosity_error()
 
 REGISTERED = {"Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "DeepseekV3ForCausalLM",
               "DeepseekV2ForCausalLM", "Glm4MoeForCausalLM", "KimiK25ForConditionalGeneration", "MiniMaxM2ForCausalLM",
-              "Glm4MoeLiteForCausalLM", "GptOssForCausalLM", "MiMoV2FlashForCausalLM"}
+              "Glm4MoeLiteForCausalLM", "GptOssForCausalLM", "MiMoV2FlashForCausalLM", "Qwen3NextForCausalLM",
+              "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"}
 
 
 @pytest.fixture(scope="module")
