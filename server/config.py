@@ -26,8 +26,8 @@ class ServerConfig:
     served_model_name: str | None = field(default=None, metadata={
         "help": "the model name clients send and /v1/models lists; default: the model directory's name"})
     api_key: str | None = field(default=None, metadata={
-        "help": "require 'Authorization: Bearer KEY' on every route but /health and /metrics (also read from "
-                "HYBRID_API_KEY)"})
+        "help": "require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every route but /health and "
+                "/metrics (also read from HYBRID_API_KEY)"})
     max_running_requests: int = field(default=64, metadata={
         "help": "requests decoded together (the engine's max_num_seqs)"})
     max_queued_requests: int = field(default=256, metadata={
