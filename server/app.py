@@ -29,7 +29,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hybrid.config import read_config_json
 from hybrid.errors import ConfigError
-from server import harmony, tokens
+from server import anthropic_api, harmony, tokens
+from server.anthropic_protocol import CountTokensRequest, MessagesRequest
 from server.chat import create_chat_completion
 from server.completions import create_completion
 from server.config import ServerConfig
@@ -43,8 +44,8 @@ from server.serving import ServedModel, ServerState, drain, sampling_defaults
 from server.tool_parsers import choose_tool_parser
 
 MAX_BODY_BYTES = 64 * 1024 * 1024  # far above any context length's worth of text; bigger bodies get 413
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize", "/version", "/health",
-          "/metrics")
+ROUTES = ("/v1/chat/completions", "/v1/completions", anthropic_api.MESSAGES_PATH, anthropic_api.COUNT_TOKENS_PATH,
+          "/v1/models", "/tokenize", "/detokenize", "/version", "/health", "/metrics")
 OPEN_PATHS = ("/health", "/metrics")  # answered without the API key; every other path needs it
 
 
@@ -176,6 +177,14 @@ def build_app(config: ServerConfig, engine_loop: EngineLoop) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request):
         return await create_completion(state, body, request)
 
+    @app.post(anthropic_api.MESSAGES_PATH)
+    async def messages(body: MessagesRequest, request: Request):
+        return await anthropic_api.create_message(state, body, request)
+
+    @app.post(anthropic_api.COUNT_TOKENS_PATH)
+    async def count_tokens(body: CountTokensRequest):
+        return await anthropic_api.count_tokens(state, body)
+
     def model_card(name: str) -> dict:
         return {"id": name, "object": "model", "created": created, "owned_by": "hybrid",
                 "max_model_len": state.model.max_model_len}
@@ -205,28 +214,36 @@ def build_app(config: ServerConfig, engine_loop: EngineLoop) -> FastAPI:
     return app
 
 
+def shaped_error(path: str, status: int, message: str, param: str | None = None, code: str | None = None):
+    """The error response in the shape of the API `path` belongs to: Anthropic's or OpenAI's."""
+    if anthropic_api.is_anthropic_path(path):
+        return anthropic_api.error_response(status, message)
+    return error_response(status, message, param, code)
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
-        return exc.response()
+        return shaped_error(request.url.path, exc.status, exc.message, exc.param, exc.code)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError):
+        path = request.url.path
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request", "type": ""}
         if first.get("type") == "json_invalid":
-            return error_response(400, f"the request body is not valid JSON: {first.get('msg')}")
+            return shaped_error(path, 400, f"the request body is not valid JSON: {first.get('msg')}")
         param = ".".join(str(part) for part in first.get("loc", ()) if not _is_loc_noise(part)) or None
         message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
-        return error_response(400, f"{param}: {message}" if param else message, param=param)
+        return shaped_error(path, 400, f"{param}: {message}" if param else message, param=param)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
         message = "no such route" if exc.status_code == 404 else str(exc.detail)
-        return error_response(exc.status_code, f"{message}: {request.method} {request.url.path}")
+        return shaped_error(request.url.path, exc.status_code, f"{message}: {request.method} {request.url.path}")
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception):
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+        return shaped_error(request.url.path, 500, f"internal error: {type(exc).__name__}: {exc}")
 
 
 def _is_loc_noise(part) -> bool:
@@ -270,7 +287,7 @@ class _RequestAccounting:
             if refusal is None:
                 body = await _read_body(receive)
                 if body is None:
-                    refusal = error_response(413, f"request body over {MAX_BODY_BYTES} bytes")
+                    refusal = shaped_error(scope["path"], 413, f"request body over {MAX_BODY_BYTES} bytes")
             if refusal is not None:
                 refusal.headers["connection"] = "close"  # the rest of the body is never read
                 await refusal(scope, receive, record_status)
@@ -283,21 +300,28 @@ class _RequestAccounting:
 
     def _refusal(self, scope):
         """The response that refuses the request from its headers alone, or None."""
-        headers = dict(scope["headers"])
-        if self.api_key is not None and scope["path"] not in OPEN_PATHS:
-            scheme, _, key = headers.get(b"authorization", b"").partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(key.strip(), self.api_key):
-                return error_response(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
-                                      code="invalid_api_key")
+        headers, path = dict(scope["headers"]), scope["path"]
+        if self.api_key is not None and path not in OPEN_PATHS and not self._has_key(headers):
+            refusal = shaped_error(path, 401, "missing or invalid API key: send 'Authorization: Bearer <key>' or "
+                                              "'x-api-key: <key>'", code="invalid_api_key")
+            refusal.headers["WWW-Authenticate"] = "Bearer"
+            return refusal
         try:
             length = int(headers.get(b"content-length", b"0"))
         except ValueError:
             length = -1
         if length < 0:
-            return error_response(400, "invalid Content-Length header")
+            return shaped_error(path, 400, "invalid Content-Length header")
         if length > MAX_BODY_BYTES:
-            return error_response(413, f"request body over {MAX_BODY_BYTES} bytes")
+            return shaped_error(path, 413, f"request body over {MAX_BODY_BYTES} bytes")
         return None
+
+    def _has_key(self, headers: dict) -> bool:
+        """OpenAI clients send the key as a Bearer token, Anthropic's in x-api-key (or as a Bearer token too)."""
+        scheme, _, bearer = headers.get(b"authorization", b"").partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(bearer.strip(), self.api_key):
+            return True
+        return b"x-api-key" in headers and hmac.compare_digest(headers[b"x-api-key"].strip(), self.api_key)
 
 
 async def _read_body(receive) -> bytes | None:

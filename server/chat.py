@@ -123,7 +123,7 @@ class ChatChoice:
         return engine_reason
 
 
-async def _parse(choice: ChatChoice, text: str | None) -> dict:
+async def parse_output(choice: ChatChoice, text: str | None) -> dict:
     """`choice.feed(text)`, or `choice.flush()` for None: in a worker thread where a tool-call parser reads the text
     (it parses each finished call whole, however long)."""
     work = choice.flush if text is None else partial(choice.feed, text)
@@ -199,19 +199,31 @@ def render_prompt(state: ServerState, request: ChatCompletionRequest) -> tuple[s
     return text + prefix, parser
 
 
-def _prepare(state: ServerState, request: ChatCompletionRequest) -> tuple[str, list[int], type[ToolCallParser] | None]:
+def prepare_chat(state: ServerState, request: ChatCompletionRequest, route: str = "/v1/chat/completions",
+                 ) -> tuple[str, list[int], type[ToolCallParser] | None]:
     """The prompt text, its token ids and the tool-call parser (run `off_loop`)."""
     check_encodable(request)
     check_model(state, request.model)
-    require_tokenizer(state, "/v1/chat/completions")
+    require_tokenizer(state, route)
     prompt_text, parser = render_prompt(state, request)
     check_prompt_bytes(prompt_text, state.model.max_token_bytes, state.model.max_model_len, "messages")
     return prompt_text, encode(state.model.tokenizer, prompt_text, "messages", add_special_tokens=False), parser
 
 
 async def create_chat_completion(state: ServerState, request: ChatCompletionRequest, raw: Request):
+    request, generation, choices, info = await start_chat(state, request)
+    if request.stream:
+        return GenerationStream(_stream(state, request, generation, choices, info), generation)
+    return await collect_unless_disconnected(
+        raw, generation, lambda: _collect(state, request, generation, choices, info))
+
+
+async def start_chat(state: ServerState, request: ChatCompletionRequest, route: str = "/v1/chat/completions",
+                     ) -> tuple[ChatCompletionRequest, Generation, list[ChatChoice], ResponseInfo]:
+    """The request as the engine runs it, its started generation (which the caller's response must close), a
+    `ChatChoice` per choice and what the response repeats; the Anthropic Messages API shares it."""
     start_time = time.perf_counter()
-    prompt_text, prompt_ids, parser = await off_loop(state, _prepare, state, request)
+    prompt_text, prompt_ids, parser = await off_loop(state, prepare_chat, state, request, route)
     max_tokens = resolve_max_tokens(request.max_new_tokens, len(prompt_ids), state.model.max_model_len, "messages")
     reasoning = state.model.reasoning_parser
     prefix = _forced_prefix(parser, request)  # the parser reads the opening of a forced call as output
@@ -228,10 +240,7 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
     info = response_info("chatcmpl", state.model.name, len(prompt_ids), is_named)
     generation = Generation(state, request, [prompt_ids], [max_tokens], start_time)
     await generation.start()  # from here on, the response (stream or collection) closes the generation
-    if request.stream:
-        return GenerationStream(_stream(state, request, generation, choices, info), generation)
-    return await collect_unless_disconnected(
-        raw, generation, lambda: _collect(state, request, generation, choices, info))
+    return request, generation, choices, info
 
 
 def _forced_prefix(parser: type[ToolCallParser] | None, request: ChatCompletionRequest) -> str:
@@ -280,14 +289,14 @@ async def _stream(state: ServerState, request: ChatCompletionRequest, generation
             yield chunk(index, {"role": "assistant", "content": ""})
         async for index, out in generation.events():
             choice = choices[index]
-            delta = await _parse(choice, out.text)
+            delta = await parse_output(choice, out.text)
             logprobs = None
             if request.logprobs and out.token_id is not None:
                 logprobs = {"content": [_logprob_entry(state.model.tokenizer, out.token_id, out.logprob,
                                                        out.top_logprobs)]}
             reason = None
             if out.finish_reason is not None:
-                delta = _merge(delta, await _parse(choice, None))
+                delta = _merge(delta, await parse_output(choice, None))
                 reason = choice.finish_reason(out.finish_reason, info.is_named_tool_choice)
             if delta or logprobs or reason:
                 yield chunk(index, delta, logprobs, reason)
@@ -303,12 +312,12 @@ async def _collect(state: ServerState, request: ChatCompletionRequest, generatio
     logprobs: list[list[dict]] = [[] for _ in choices]
     reasons: list[str | None] = [None] * len(choices)
     async for index, out in generation.events():
-        await _parse(choices[index], out.text)
+        await parse_output(choices[index], out.text)
         if request.logprobs and out.token_id is not None:
             logprobs[index].append(_logprob_entry(state.model.tokenizer, out.token_id, out.logprob,
                                                   out.top_logprobs))
         if out.finish_reason is not None:
-            await _parse(choices[index], None)
+            await parse_output(choices[index], None)
             reasons[index] = choices[index].finish_reason(out.finish_reason, info.is_named_tool_choice)
     body = []
     for index, choice in enumerate(choices):

@@ -30,8 +30,8 @@ class ServerConfig:
         "help": "the model name(s) clients may send; responses report the first, /v1/models lists them all; "
                 "default: the model directory's name", "group": HTTP})
     api_key: str | None = field(default=None, metadata={
-        "help": "require 'Authorization: Bearer KEY' on every route but /health and /metrics (also read from "
-                "HYBRID_API_KEY)", "group": HTTP})
+        "help": "require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every route but /health and "
+                "/metrics (also read from HYBRID_API_KEY)", "group": HTTP})
     allowed_origins: tuple[str, ...] = field(default=(), metadata={
         "help": "origins whose browser pages may call the API (CORS: preflight answered, headers added), e.g. "
                 "http://localhost:3000, or * for any; default: none", "group": HTTP})

@@ -45,6 +45,7 @@ class Output:
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] | None = None
     finish_reason: str | None = None  # "stop", "length", or None while the request goes on
+    stop_string: str | None = None  # the stop string that finished it, if one did
 
 
 @dataclass(frozen=True)
@@ -246,12 +247,13 @@ class EngineLoop:
         active = self._active[output.request_id]
         self._stats_log.record(len(active.job.prompt_ids) if active.num_tokens == 0 else 0, 1)
         active.num_tokens += 1
-        text, reason = "", output.finish_reason
+        text, reason, stop_string = "", output.finish_reason, None
         if active.detokenizer is not None:
             text, reason = active.detokenizer.step(output.new_token, output.finish_reason)
+            stop_string = active.detokenizer.stop_string
         if reason is not None and output.finish_reason is None:  # a stop string: free its pages now
             self.engine.finish(output.request_id, reason)
-        _send(active.job, Output(text, output.new_token, output.logprob, output.top_logprobs, reason))
+        _send(active.job, Output(text, output.new_token, output.logprob, output.top_logprobs, reason, stop_string))
         if reason is not None:
             self._drop(output.request_id)
 
