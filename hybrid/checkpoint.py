@@ -112,6 +112,10 @@ class Checkpoint:
     def read_raw(self, stored: str) -> torch.Tensor:
         return self.files[stored].read(self.stored_names.get(stored, stored))
 
+    def read_row(self, stored: str, row: int) -> torch.Tensor:
+        """Row `row` of stored tensor `stored`'s first dimension, read alone (one expert of a fused 3-D tensor)."""
+        return self.files[stored].read(self.stored_names.get(stored, stored), row)
+
     def part_infos(self, name: str) -> dict[str, TensorInfo]:
         """The headers of logical tensor `name`'s stored parts, by suffix (`X.weight_scale` -> `weight_scale`)."""
         prefix = name.rpartition(".")[0] + "."

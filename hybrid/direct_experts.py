@@ -11,7 +11,9 @@ A stored expert that holds NaN (NaN codes or scales) is refused, naming the tens
 A model whose experts are stored fused per layer (gpt-oss) says so with `fused_experts_prefix(layer)`: its layers
 are read by `native_experts.read_gpt_oss_layer` (with the biases and activation its spec carries:
 `expert_activation`, `has_expert_bias`), and its expert tensors are skipped by the dense load (the model's
-`is_ignored_tensor`), so they are not named here.
+`is_ignored_tensor`), so they are not named here. Qwen3.5's fused 3-D float experts (`MoEConfig.has_fused_storage`:
+`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]) are read expert by expert and quantized
+(`native_experts.read_fused_layer`); their two names per layer are the ones this loader takes.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from hybrid.native_experts import (
     ExpertFormat,
     gpt_oss_source,
     projection_parts,
+    read_fused_layer,
     read_gpt_oss_layer,
     resolve,
     routed_names,
@@ -50,7 +53,19 @@ def direct_expert_names(model) -> set[str]:
     if is_fused(model):
         return set()
     layers = set(cpu_layers(model))
+    if has_fused_3d(model):
+        return {f"{_experts_prefix(model, layer)}.{suffix}" for layer in layers
+                for suffix in ("gate_up_proj", "down_proj")}
     return {name for layer, _, _, name in routed_names(model) if layer in layers}
+
+
+def has_fused_3d(model) -> bool:
+    """Experts stored as fused 3-D float tensors per layer (Qwen3.5), not one tensor per expert."""
+    return model.config.moe.has_fused_storage
+
+
+def _experts_prefix(model, layer: int) -> str:
+    return f"model.layers.{layer}.{model.ff_name}.experts"
 
 
 def is_fused(model) -> bool:
@@ -61,6 +76,8 @@ def expert_format(model, ckpt: Checkpoint, expert_dtype: str) -> ExpertFormat:
     """The CPU experts' format for `expert_dtype` (see `hybrid.native_experts.resolve`) over this checkpoint."""
     if is_fused(model):
         source = gpt_oss_source(ckpt, model.fused_experts_prefix(model.config.moe_layer_indices[0]))
+    elif has_fused_3d(model):
+        source = None  # float values: quantized to the engine's expert_dtype (int8 by default)
     else:
         source = source_format(ckpt, [name for *_, name in routed_names(model)])
     return resolve(source, expert_dtype, flag="--expert-dtype")
@@ -98,6 +115,8 @@ def read_layer(ckpt: Checkpoint, model, layer: int, spec: ExpertLayerSpec, is_pa
     """MoE layer `layer`'s experts as the expert file's stacked tensors, `num_threads` experts at a time."""
     if is_fused(model):
         return read_gpt_oss_layer(ckpt, model.fused_experts_prefix(layer), spec, ckpt.refuse_nonfinite)
+    if has_fused_3d(model):
+        return read_fused_layer(ckpt, _experts_prefix(model, layer), spec, ckpt.refuse_nonfinite, num_threads)
     tensors = {name: memory.empty_tensor(shape, dtype) for name, (shape, dtype) in spec.tensor_shapes().items()}
 
     def one_expert(expert: int) -> None:

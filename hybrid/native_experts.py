@@ -18,10 +18,12 @@ values (or from a bf16 checkpoint's fused `gate_up_proj` [E, H, 2I] / `down_proj
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 import torch
 
+from cpu_experts import memory
 from cpu_experts.expert_file import (
     ALLOWED_SCALES,
     FIXED_GROUP,
@@ -152,6 +154,41 @@ def projection_parts(ckpt: Checkpoint, name: str, role: str, spec: ExpertLayerSp
             check(name, parts["scales"])  # a group's scale is its largest magnitude: NaN or inf where the group is
         for part, tensor in parts.items():
             yield part, tensor, first
+
+
+def read_fused_layer(ckpt: Checkpoint, prefix: str, spec: ExpertLayerSpec, check: Check | None = None,
+                     num_threads: int = 1) -> dict[str, torch.Tensor]:
+    """One layer of experts stored as fused 3-D float tensors under `prefix` (Qwen3.5: `gate_up_proj` [E, 2I, H],
+    gate rows first, `down_proj` [E, H, I]) -> the expert file's stacked tensors, quantized to `spec` expert by
+    expert, each expert's rows read alone (a layer's bf16 experts are gigabytes), `num_threads` experts at a time."""
+    names = {"gate_up": f"{prefix}.gate_up_proj", "down": f"{prefix}.down_proj"}
+    inter = spec.intermediate_size
+    expected = {"gate_up": (spec.num_experts, 2 * inter, spec.hidden_size),
+                "down": (spec.num_experts, spec.hidden_size, inter)}
+    for key, name in names.items():
+        if name not in ckpt.files:
+            raise CheckpointError(f"{ckpt.directory}: fused expert tensor '{name}' is missing")
+        if tuple(ckpt.info(name).shape) != expected[key]:
+            raise CheckpointError(f"{ckpt.file_of(name)}: '{name}' has shape {tuple(ckpt.info(name).shape)}, "
+                                  f"expected {expected[key]}")
+    tensors = {name: memory.empty_tensor(shape, dtype) for name, (shape, dtype) in spec.tensor_shapes().items()}
+
+    def one_expert(expert: int) -> None:
+        gate_up = ckpt.read_row(names["gate_up"], expert)  # [2I, H]
+        down = ckpt.read_row(names["down"], expert)  # [H, I]
+        _check(check, names["gate_up"], gate_up)
+        _check(check, names["down"], down)
+        for role, weight in (("gate", gate_up[:inter]), ("up", gate_up[inter:]), ("down", down)):
+            for part, tensor in quantize_matrix(weight.float(), spec).items():
+                tensors[f"{role}.{part}"][expert].copy_(tensor)
+
+    if num_threads == 1:
+        for expert in range(spec.num_experts):
+            one_expert(expert)
+    else:
+        with ThreadPoolExecutor(min(num_threads, spec.num_experts)) as pool:
+            list(pool.map(one_expert, range(spec.num_experts)))  # list(): re-raises a worker's error
+    return tensors
 
 
 def gpt_oss_source(ckpt: Checkpoint, prefix: str) -> SourceFormat | None:

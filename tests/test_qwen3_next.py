@@ -16,6 +16,7 @@ from hybrid.forward_batch import ForwardBatch, SequenceSlice
 from hybrid.layers.norm import OffsetRMSNorm
 from hybrid.llm import LLM
 from hybrid.models import load_model_config
+from hybrid.routed_experts import RoutedExperts
 
 transformers = pytest.importorskip("transformers")
 
@@ -177,6 +178,22 @@ def test_fused_expert_storage_loads(qwen3_5, qwen3_5_fused):
     assert fused.config.moe.has_fused_storage and not plain.config.moe.has_fused_storage
     prompt = _prompt(9, seed=9)
     assert torch.equal(fused.prefill_logits(prompt), plain.prefill_logits(prompt))
+
+
+@pytest.mark.parametrize("gpu_experts", [0, 2])
+def test_fused_experts_on_the_cpu_operator(qwen3_5, qwen3_5_fused, gpu_experts):
+    """expert_placement=cpu reads the fused 3-D experts expert by expert and quantizes them (int8 here, float
+    activations) exactly as it quantizes the per-expert checkpoint; with GPU-resident experts their slots come from
+    the same fused tensors."""
+    options = dict(expert_placement="cpu", expert_activations="float", gpu_experts=gpu_experts)
+    plain, fused = _llm(qwen3_5[0], **options), _llm(qwen3_5_fused, **options)
+    prompt = _prompt(9, seed=10)
+    want = plain.prefill_logits(prompt)
+    assert torch.equal(fused.prefill_logits(prompt), want)
+    layers = [m for m in fused.model.modules() if isinstance(m, RoutedExperts)]
+    assert layers and all(m.cpu_experts.op.spec.dtype == "int8" and len(m.gpu_expert_ids) == gpu_experts
+                          for m in layers)
+    assert not torch.equal(want, _llm(qwen3_5[0]).prefill_logits(prompt))  # int8 experts, not the float ones
 
 
 # --- the engine's state slots ---

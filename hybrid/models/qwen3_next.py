@@ -34,7 +34,7 @@ from hybrid.config import (
     gqa_attention,
     parse_rope,
 )
-from hybrid.errors import ConfigError, HybridError
+from hybrid.errors import HybridError
 from hybrid.layers.backends import Backends
 from hybrid.models.base import MoECausalLM
 from hybrid.models.qwen_moe import _qwen_moe, _qwen_moe_layers
@@ -139,11 +139,9 @@ class Qwen3NextForCausalLM(MoECausalLM):
     def _make_ff(self, layer_idx: int, backends: Backends):
         ff = super()._make_ff(layer_idx, backends)
         experts = getattr(ff, "experts", None)
-        if experts is not None and self.config.moe.has_fused_storage:
-            if getattr(experts, "has_cpu_part", False):
-                raise ConfigError(f"{self.config.architecture}: this checkpoint stores its experts fused "
-                                  "(experts.gate_up_proj), which the CPU experts do not read yet; set "
-                                  "expert_placement=device (--expert-placement device)")
+        # the fused tensors fill the GPU-resident experts' slots; the CPU operator reads them itself
+        # (`hybrid.direct_experts`), so a layer without GPU slots names no target for them
+        if experts is not None and self.config.moe.has_fused_storage and experts.gpu_expert_ids:
             experts.has_fused_storage = True
         return ff
 
