@@ -13,8 +13,9 @@ checkpoints, and the text-only `Qwen3_5MoeForCausalLM`), as transformers' `model
 - MoE: Qwen2-MoE routing (softmax, top-k; Qwen3.5 always renormalises) plus a shared expert scaled by
   sigmoid(`shared_expert_gate`). Experts are stored per expert (what transformers writes) or fused as 3-D tensors
   (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]: the released Qwen3.5), found in the checkpoint's
-  names; the fused ones load into the per-expert parameters (`hybrid.layers.moe.FusedExpertsTarget`) and, in this
-  slice, only where the experts run on the engine's device.
+  names; on the engine's device the fused ones load into the per-expert parameters
+  (`hybrid.layers.moe.FusedExpertsTarget`), on the CPU operator they are read expert by expert and quantized at load
+  (`hybrid.direct_experts`).
 - Multi-token-prediction weights (`mtp.*`) and Qwen3.5's vision tower (`model.visual.*`) are not loaded.
 """
 
