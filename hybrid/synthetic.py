@@ -30,6 +30,15 @@ from hybrid.converted import MANIFEST_FILE, MANIFEST_FORMAT, MANIFEST_VERSION
 from hybrid.models import load_model_config
 from hybrid.safetensors_io import SafetensorsWriter, TensorSpec
 
+_QWEN3_5_TEXT = dict(  # Qwen3.6-35B-A3B's text model; Qwen3.5-397B-A17B changes the sizes
+    model_type="qwen3_5_moe_text", vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16,
+    num_key_value_heads=2, head_dim=256, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+    num_experts=256, num_experts_per_tok=8, linear_num_value_heads=32, linear_num_key_heads=16,
+    linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
+    max_position_embeddings=262144, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25, mrope_section=[11, 11, 10],
+                         mrope_interleaved=True))
+
 SHAPES: dict[str, dict] = {
     "qwen3-30b-a3b": dict(
         architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,
@@ -91,6 +100,26 @@ SHAPES: dict[str, dict] = {
         add_full_attention_sink_bias=False, add_swa_attention_sink_bias=True, attention_value_scale=0.707,
         partial_rotary_factor=0.334, rope_theta=5e6, swa_rope_theta=1e4, layernorm_epsilon=1e-5,
         max_position_embeddings=262144, attention_bias=False, tie_word_embeddings=False, hidden_act="silu"),
+    # Qwen3-Next / Qwen3.5 / 3.6: Gated DeltaNet on 3 of 4 layers, gated full attention, softmax top-k + gated shared
+    # expert; Qwen3.5/3.6 under the multimodal wrapper (the vision tower is not part of the synthetic checkpoint)
+    "qwen3-next-80b-a3b": dict(
+        architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", vocab_size=151936, hidden_size=2048,
+        num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=2, head_dim=256, intermediate_size=5120,
+        moe_intermediate_size=512, shared_expert_intermediate_size=512, num_experts=512, num_experts_per_tok=10,
+        decoder_sparse_step=1, norm_topk_prob=True, linear_num_value_heads=32, linear_num_key_heads=16,
+        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
+        partial_rotary_factor=0.25, rope_theta=1e7, max_position_embeddings=262144, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, hidden_act="silu"),
+    "qwen3.6-35b-a3b": dict(
+        architectures=["Qwen3_5MoeForConditionalGeneration"], model_type="qwen3_5_moe", tie_word_embeddings=False,
+        text_config=dict(_QWEN3_5_TEXT),
+        vision_config=dict(model_type="qwen3_5_moe", depth=27, hidden_size=1152)),
+    "qwen3.5-397b-a17b": dict(
+        architectures=["Qwen3_5MoeForConditionalGeneration"], model_type="qwen3_5_moe", tie_word_embeddings=False,
+        text_config=dict(_QWEN3_5_TEXT, hidden_size=4096, num_hidden_layers=60, num_attention_heads=32,
+                         moe_intermediate_size=1024, shared_expert_intermediate_size=1024, num_experts=512,
+                         num_experts_per_tok=10, linear_num_value_heads=64),
+        vision_config=dict(model_type="qwen3_5_moe", depth=27, hidden_size=1152)),
     # gpt-oss: MoE in every layer, sliding (128) and full attention alternating, sinks, q/k/v/o biases, YaRN
     "gpt-oss-120b": dict(
         architectures=["GptOssForCausalLM"], model_type="gpt_oss", vocab_size=201088, hidden_size=2880,

@@ -20,9 +20,12 @@ from hybrid.synthetic import SHAPES, shape_config, write_synthetic_checkpoint
 # - glm-4.7-flash: GLM-4.7-Flash's model card: "a 30B-A3B MoE model" (30 billion total, 3 billion active).
 # - mimo-v2-flash: MiMo-V2-Flash's model card: 309 billion total / 15 billion active parameters.
 # - gpt-oss-120b / gpt-oss-20b: the gpt-oss model card: 116.8 and 20.9 billion total parameters.
+# - qwen3-next-80b-a3b, qwen3.6-35b-a3b, qwen3.5-397b-a17b: the model cards' 80, 35 and 397 billion (the last two
+#   counting a vision tower of under a billion, which the synthetic text model leaves out).
 RELEASED = {"qwen3-30b-a3b": (48, 30.5), "qwen3-235b-a22b": (94, 235.1), "deepseek-v3": (61, 671.0),
             "kimi-k2.5": (61, 1040.0), "minimax-m2": (62, 230.0), "glm-4.7-flash": (47, 30.0),
-            "mimo-v2-flash": (48, 309.0), "gpt-oss-120b": (36, 116.8), "gpt-oss-20b": (24, 20.9)}
+            "mimo-v2-flash": (48, 309.0), "gpt-oss-120b": (36, 116.8), "gpt-oss-20b": (24, 20.9),
+            "qwen3-next-80b-a3b": (48, 80.0), "qwen3.6-35b-a3b": (40, 35.0), "qwen3.5-397b-a17b": (60, 397.0)}
 
 
 def test_usage_lists_the_benchmarks(capsys):
@@ -175,6 +178,24 @@ def test_synthetic_gpt_oss_without_a_source(tmp_path, monkeypatch):
     llm = LLM(tmp_path, dtype="float32")
     spec = llm.model.model.layers[0].mlp.experts.cpu_experts.op.spec
     assert spec.dtype == "mxfp4" and spec.activation.kind == "swiglu_oai" and spec.has_bias
+    logits = llm.prefill_logits([5, 6, 7])
+    assert logits.shape == (3, 512) and torch.isfinite(logits).all()
+    llm.close()
+
+
+def test_synthetic_qwen3_5_without_a_source(tmp_path, monkeypatch):
+    """Qwen3.5's wrapper with Gated DeltaNet and full layers: a source-less converted directory loads (state slots,
+    CPU experts) and its logits are finite."""
+    from hybrid import LLM
+    from hybrid.synthetic import write_synthetic_converted
+
+    text = dict(SHAPES["qwen3.6-35b-a3b"]["text_config"], vocab_size=512, hidden_size=64, num_attention_heads=4,
+                head_dim=16, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=8,
+                num_experts_per_tok=2, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+                linear_value_head_dim=16)
+    monkeypatch.setitem(SHAPES, "tiny", dict(SHAPES["qwen3.6-35b-a3b"], text_config=text))
+    assert write_synthetic_converted(tmp_path, "tiny", num_layers=4, expert_dtype="int8") > 0
+    llm = LLM(tmp_path, dtype="float32")
     logits = llm.prefill_logits([5, 6, 7])
     assert logits.shape == (3, 512) and torch.isfinite(logits).all()
     llm.close()
