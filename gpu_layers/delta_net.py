@@ -1,4 +1,4 @@
-"""Gated DeltaNet kernels (Qwen3-Next, Qwen3.5): causal depthwise conv1d, chunked prefill and recurrent decode of
+"""Gated DeltaNet kernels (Qwen3-Next, Qwen3.5): causal depthwise conv1d, prefill and recurrent decode of
 the gated delta rule, over per-sequence states in pools indexed by slot.
 
 Data flow:
@@ -15,18 +15,17 @@ Why it is built this way:
 - Our own Triton kernels, not fla-core's: fla is not a dependency, and its kernels are autotuned over many configs
   and split into several launches with intermediate tensors, each of which the SM120 gate would have to cover;
   these few fixed configs are all the runtime can select, and all of them are in the gate.
-- Prefill is chunked (64 tokens) in the UT form of transformers' torch_chunk_gated_delta_rule: per chunk,
-  T = (I + tril(beta k k^T * decay, -1))^-1 by forward substitution (64 row steps on a 64 x 64 tile), then
-  u = T (beta v), w = T (beta exp(gc) k), v' = u - w S, o = exp(gc) q S + (q k^T * decay) v',
-  S <- exp(gc_last) S + (exp(gc_last - gc) k)^T v'. One program owns (sequence, v head, BLOCK_V columns of S) and
-  keeps its slice of S in registers over the whole sequence, so there is a single launch and no intermediates;
-  the chunk's T and w are recomputed by each of the Dv / BLOCK_V programs of a head (cheap next to the dots).
+- Prefill is, for now, sequential: one program owns (sequence, v head, BLOCK_V columns of S), keeps its slice of S
+  in registers over the whole sequence and steps token by token (the decode step in a loop), one launch, no
+  intermediates. A one-kernel chunked (64) UT-form version (T = (I + tril(beta k k^T decay, -1))^-1 by forward
+  substitution, then dots) matched the reference but spilled on every target at 4-8 warps (2-30 KB of ptxas
+  spills), so it fails the gate; the chunked kernel to reach the matmul-rate target has to be split as fla splits
+  it (a UT/inverse kernel writing w and u, then the state-passing kernel).
 - Decode is one token per (row, v head, BLOCK_V columns): read the state slice, update, write it back. Grids come
   from shapes only and a slot < 0 marks a padding row (output zero, state untouched), so it is CUDA-graph safe.
 - The conv state is written by a second launch: the first tile of a sequence reads the old state, and programs of
   one launch are not ordered, so the new state cannot be written in the same kernel.
-- fp32 inputs take exact ("ieee") dots, the test path; bf16 takes tf32 dots on float32 operands (the state and
-  the UT products stay float32 either way).
+- Everything inside is float32 (inputs widened on load), so bf16 and fp32 inputs differ only in rounding.
 """
 
 from __future__ import annotations
@@ -40,10 +39,11 @@ from gpu_layers.capability import GateCase, capability_of, select
 SUPPORTED_DTYPES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
 SUPPORTED_HEAD_DIMS = (64, 128)  # Dk and Dv; Qwen3-Next / Qwen3.5 use 128
 SUPPORTED_KERNEL_SIZES = (4,)  # conv taps
-CHUNK = 64
 L2NORM_EPS = tl.constexpr(1e-6)
 
 # Keyed by (Dv, bytes per element). Prefill: (BLOCK_V, num_warps, num_stages); decode: (BLOCK_V, num_warps).
+# BLOCK_V = 32: a [128, 32] float32 slice is 32 registers a thread at 4 warps, and B * Hv * Dv / 32 programs fill
+# the GPU at decode batch 8+.
 _PREFILL = {(64, 2): (32, 4, 1), (128, 2): (32, 4, 1), (64, 4): (32, 4, 1), (128, 4): (32, 4, 1)}
 PREFILL_CONFIGS = {89: _PREFILL, 90: _PREFILL, 120: _PREFILL}
 _DECODE = {(64, 2): (32, 4), (128, 2): (32, 4), (64, 4): (32, 4), (128, 4): (32, 4)}
@@ -168,23 +168,17 @@ def causal_conv1d_decode_kernel(
 
 
 @triton.jit
-def _load_qk(ptr, tokens, t_mask, head, stride_t, stride_h, offs_k, scale):
-    x = tl.load(ptr + tokens.to(tl.int64)[:, None] * stride_t + head * stride_h + offs_k[None, :],
-                mask=t_mask[:, None], other=0.0).to(tl.float32)
-    return _l2norm(x, 1) * scale
-
-
-@triton.jit
-def _unit_lower_inverse(a, rows, CHUNK: tl.constexpr):
-    """(I + a)^-1 for a strictly lower-triangular [CHUNK, CHUNK] a, by forward substitution row by row:
-    row i of the inverse is e_i - sum_j a[i, j] (row j), and rows j < i are final when row i is made."""
-    inverse = (rows[:, None] == rows[None, :]).to(tl.float32)
-    for i in range(1, CHUNK):
-        is_row = rows[:, None] == i
-        a_row = tl.sum(tl.where(is_row, a, 0.0), 0)  # [CHUNK] over j
-        correction = tl.sum(a_row[:, None] * inverse, 0)
-        inverse = tl.where(is_row, inverse - correction[None, :], inverse)
-    return inverse
+def _delta_step(state, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, q_row, k_row, v_row, g_row, o_row, offs_k,
+                offs_v, scale):
+    """One token of one v head on a [Dk, BLOCK_V] state slice: decay, delta update, read-out; returns the state."""
+    q = _l2norm(tl.load(q_ptr + q_row + offs_k).to(tl.float32), 0) * scale
+    k = _l2norm(tl.load(k_ptr + k_row + offs_k).to(tl.float32), 0)
+    v = tl.load(v_ptr + v_row + offs_v).to(tl.float32)
+    state = state * tl.exp(tl.load(g_ptr + g_row))
+    delta = (v - tl.sum(state * k[:, None], 0)) * tl.load(beta_ptr + g_row)
+    state += k[:, None] * delta[None, :]
+    tl.store(out_ptr + o_row + offs_v, tl.sum(state * q[:, None], 0).to(out_ptr.dtype.element_ty))
+    return state
 
 
 @triton.jit
@@ -192,10 +186,10 @@ def gated_delta_rule_prefill_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, cu_seqlens_ptr, state_pool_ptr, state_slots_ptr,
     has_initial_state_ptr, scale, group,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_ot, stride_oh, stride_ss,
-    K_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_V: tl.constexpr, CHUNK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    K_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """Program (sequence, v head, BLOCK_V columns of the state): the whole sequence, chunk by chunk."""
+    """Program (sequence, v head, BLOCK_V columns of the state): the whole sequence, token by token, the state
+    slice in registers from the slot's (or zeros) to the final one written back."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     start = tl.load(cu_seqlens_ptr + seq)
@@ -209,35 +203,11 @@ def gated_delta_rule_prefill_kernel(
     state = tl.zeros([K_DIM, BLOCK_V], dtype=tl.float32)
     if tl.load(has_initial_state_ptr + seq) != 0:
         state = tl.load(state_ptrs)
-
-    rows = tl.arange(0, CHUNK)
-    causal = rows[:, None] >= rows[None, :]
-    for chunk in range(start, end, CHUNK):
-        tokens = chunk + rows
-        t_mask = tokens < end
-        q = _load_qk(q_ptr, tokens, t_mask, k_head, stride_qt, stride_qh, offs_k, scale)
-        k = _load_qk(k_ptr, tokens, t_mask, k_head, stride_kt, stride_kh, offs_k, 1.0)
-        v = tl.load(v_ptr + tokens.to(tl.int64)[:, None] * stride_vt + head * stride_vh + offs_v[None, :],
-                    mask=t_mask[:, None], other=0.0).to(tl.float32)
-        # Rows past the sequence have g = beta = k = v = 0: they add nothing, and gc's last entry is the real one.
-        g = tl.load(g_ptr + tokens.to(tl.int64) * stride_gt + head, mask=t_mask, other=0.0)
-        beta = tl.load(beta_ptr + tokens.to(tl.int64) * stride_gt + head, mask=t_mask, other=0.0)
-        gc = tl.cumsum(g, 0)
-        decay = tl.exp(tl.where(causal, gc[:, None] - gc[None, :], float("-inf")))  # masked before exp: no overflow
-        kk = tl.dot(k, tl.trans(k), input_precision=DOT_PRECISION)
-        a = tl.where(rows[:, None] > rows[None, :], kk * decay * beta[:, None], 0.0)
-        inverse = _unit_lower_inverse(a, rows, CHUNK)
-        u = tl.dot(inverse, v * beta[:, None], input_precision=DOT_PRECISION)
-        w = tl.dot(inverse, k * (beta * tl.exp(gc))[:, None], input_precision=DOT_PRECISION)
-        v_new = u - tl.dot(w, state, input_precision=DOT_PRECISION)
-        attn = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * decay
-        o = tl.dot(q * tl.exp(gc)[:, None], state, input_precision=DOT_PRECISION)
-        o = tl.dot(attn, v_new, o, input_precision=DOT_PRECISION)
-        tl.store(out_ptr + tokens.to(tl.int64)[:, None] * stride_ot + head * stride_oh + offs_v[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=t_mask[:, None])
-        g_last = tl.sum(tl.where(rows == CHUNK - 1, gc, 0.0), 0)
-        k_decayed = k * tl.exp(g_last - gc)[:, None]
-        state = tl.dot(tl.trans(k_decayed), v_new, state * tl.exp(g_last), input_precision=DOT_PRECISION)
+    for t64 in range(start.to(tl.int64), end):  # int64 offsets: T * row stride can pass 2^31
+        state = _delta_step(state, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr,
+                            t64 * stride_qt + k_head * stride_qh, t64 * stride_kt + k_head * stride_kh,
+                            t64 * stride_vt + head * stride_vh, t64 * stride_gt + head,
+                            t64 * stride_ot + head * stride_oh, offs_k, offs_v, scale)
     tl.store(state_ptrs, state)
 
 
@@ -258,19 +228,12 @@ def gated_delta_rule_decode_kernel(
         return
     k_head = head // group
     offs_k = tl.arange(0, K_DIM)
-    q = tl.load(q_ptr + row * stride_qb + k_head * stride_qh + offs_k).to(tl.float32)
-    k = tl.load(k_ptr + row * stride_kb + k_head * stride_kh + offs_k).to(tl.float32)
-    q = _l2norm(q, 0) * scale
-    k = _l2norm(k, 0)
-    v = tl.load(v_ptr + row * stride_vb + head * stride_vh + offs_v).to(tl.float32)
-    g = tl.load(g_ptr + row * stride_gb + head)
-    beta = tl.load(beta_ptr + row * stride_gb + head)
     state_ptrs = (state_pool_ptr + slot * stride_ss + head * (K_DIM * V_DIM) + offs_k[:, None] * V_DIM
                   + offs_v[None, :])
-    state = tl.load(state_ptrs) * tl.exp(g)
-    delta = (v - tl.sum(state * k[:, None], 0)) * beta
-    state += k[:, None] * delta[None, :]
-    tl.store(out_ptrs, tl.sum(state * q[:, None], 0).to(out_ptr.dtype.element_ty))
+    state = _delta_step(tl.load(state_ptrs), q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr,
+                        row * stride_qb + k_head * stride_qh, row * stride_kb + k_head * stride_kh,
+                        row * stride_vb + head * stride_vh, row * stride_gb + head, row * stride_ob + head * stride_oh,
+                        offs_k, offs_v, scale)
     tl.store(state_ptrs, state)
 
 
@@ -282,12 +245,8 @@ def _check(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
 def prefill_config(capability: int, v_head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    """(BLOCK_V, num_warps, num_stages) of the chunked prefill kernel."""
+    """(BLOCK_V, num_warps, num_stages) of the prefill kernel."""
     return select(PREFILL_CONFIGS, capability)[(v_head_dim, dtype.itemsize)]
 
 
@@ -431,7 +390,7 @@ def _check_delta(q, k, v, g, beta, state_pool) -> int:
 
 def gated_delta_rule_prefill(q, k, v, g, beta, cu_seqlens, state_pool, state_slots, has_initial_state,
                              scale: float, out=None) -> torch.Tensor:
-    """Chunked gated delta rule over packed sequences: q, k [T, Hk, Dk], v [T, Hv, Dv], g, beta [T, Hv] float32
+    """Gated delta rule over packed sequences: q, k [T, Hk, Dk], v [T, Hv, Dv], g, beta [T, Hv] float32
     -> o [T, Hv, Dv]; sequence b resumes from state_pool[state_slots[b]] if has_initial_state[b] (else zeros) and
     leaves its final state there. q and k are L2-normalised here. Reference:
     gpu_layers.delta_net_reference.gated_delta_rule_prefill."""
@@ -448,8 +407,7 @@ def gated_delta_rule_prefill(q, k, v, g, beta, cu_seqlens, state_pool, state_slo
         q, k, v, g, beta, out, cu_seqlens, state_pool, state_slots, has_initial_state, scale, group,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
         out.stride(0), out.stride(1), state_pool.stride(0),
-        K_DIM=q.shape[2], V_DIM=v_head_dim, BLOCK_V=block_v, CHUNK=CHUNK, DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=num_warps, num_stages=num_stages,
+        K_DIM=q.shape[2], V_DIM=v_head_dim, BLOCK_V=block_v, num_warps=num_warps, num_stages=num_stages,
     )
     return out
 
