@@ -19,7 +19,8 @@ import sys
 
 import torch
 
-MODULES = ("norm", "activation", "rotary", "routing", "kv_cache", "attention", "mla", "fused_moe", "linear")
+MODULES = ("norm", "activation", "rotary", "routing", "kv_cache", "attention", "mla", "fused_moe", "linear",
+           "delta_net")
 
 
 def _median_ms(fn) -> float:
