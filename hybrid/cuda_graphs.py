@@ -65,6 +65,9 @@ class CudaGraphRunner:
                                   for _ in range(num_groups))
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=self.device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=self.device)
+        # recurrent layers' state slots (-1: a padding row, which the decode kernels skip); every row resumes
+        self.state_slots = torch.full((n,), -1, dtype=torch.int32, device=self.device)
+        self.has_initial_state = torch.ones(n, dtype=torch.bool, device=self.device)
         self.cpu_modules = [m for m in self.model.modules() if isinstance(m, CpuExperts)]
         self.worker = self.handoff = self.pool = None
         if self.cpu_modules:
@@ -90,7 +93,9 @@ class CudaGraphRunner:
             positions=self.positions[:size], slot_mappings=tuple(s[:size] for s in self.slot_mappings),
             block_tables_by_group=tuple(t[:size] for t in self.block_tables), seq_lens=self.seq_lens[:size],
             query_start_loc=self.query_start_loc[:size + 1], block_size=self.block_size,
-            seq_lens_cpu=[self.max_model_len] * size, query_lens_cpu=[1] * size)
+            seq_lens_cpu=[self.max_model_len] * size, query_lens_cpu=[1] * size,
+            state_slots=self.state_slots[:size], has_initial_state=self.has_initial_state[:size],
+            state_slots_cpu=[-1] * size, has_initial_state_cpu=[True] * size)
 
     def _forward(self, size: int) -> torch.Tensor:
         hidden = self.model(self.input_ids[:size], self._batch(size))
@@ -174,6 +179,8 @@ class CudaGraphRunner:
             width = self.block_tables[group].shape[1]
             self.block_tables[group][:size].copy_(torch.tensor(padded(tables + [[]] * num_pad, width),
                                                                dtype=torch.int32))
+        if inputs.state_slots:
+            self.state_slots[:size].copy_(torch.tensor(inputs.state_slots + [-1] * num_pad, dtype=torch.int32))
         if self.handoff is not None:
             self.handoff.valid_rows[:size].copy_(torch.arange(size)[:, None] < num_seqs)
         return size

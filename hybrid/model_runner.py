@@ -36,11 +36,12 @@ class ModelRunner:
     @staticmethod
     def can_capture(llm) -> bool:
         """Decode as CUDA graphs where they can run: CUDA, the Triton attention kernels (the PyTorch attention
-        loops over host lengths, which a graph would freeze), no recurrent layers, and `cuda_graph` left on."""
+        loops over host lengths, which a graph would freeze), recurrent layers only on their kernels (the PyTorch
+        Gated DeltaNet loops over host lengths too), and `cuda_graph` left on."""
         cfg = llm.engine_config
-        # the PyTorch Gated DeltaNet loops over host lengths too, until its kernels take the slots on the device
-        return (cfg.cuda_graph and cfg.is_cuda and llm.backends.attention.name == "triton"
-                and not llm.config.has_recurrent_layers)
+        attention = llm.backends.attention
+        return (cfg.cuda_graph and cfg.is_cuda and attention.name == "triton"
+                and (not llm.config.has_recurrent_layers or attention.has_linear_kernels))
 
     @classmethod
     def for_engine(cls, llm, max_num_seqs: int, allow_cuda_graphs: bool) -> ModelRunner:
@@ -72,12 +73,17 @@ class ModelRunner:
         replays a graph where one is captured for its batch."""
         self.llm.num_forward_tokens += len(input_ids)
         graphs = self.graphs
-        is_decode = all(s.num_new == 1 for s in seqs) and (logit_rows is None or len(logit_rows) == len(seqs))
+        inputs = self.prepare(seqs)
+        # a graph step decodes every row from its cached context (and its recurrent state: the graph cannot zero
+        # the slot of a sequence that starts at this step, a one-token prompt)
+        is_decode = (all(s.num_new == 1 for s in seqs) and (logit_rows is None or len(logit_rows) == len(seqs))
+                     and all(resumes or slot < 0 for slot, resumes in zip(inputs.state_slots,
+                                                                          inputs.has_initial_state, strict=True)))
         if graphs is not None and is_decode and graphs.can_run(len(seqs)):
-            return graphs.run(self.prepare(seqs), input_ids)
+            return graphs.run(inputs, input_ids)
         if graphs is not None:
             graphs.park()
-        batch = ForwardBatch.from_inputs(self.prepare(seqs), self.block_size, self.device)
+        batch = ForwardBatch.from_inputs(inputs, self.block_size, self.device)
         hidden = self.model(torch.tensor(input_ids, dtype=torch.int64, device=self.device), batch)
         if logit_rows is None:
             return self.model.compute_logits(hidden)

@@ -289,3 +289,60 @@ def test_exhausted_slot_pool_queues_requests(qwen3_next):
 
 def test_prefix_caching_is_off(next_llm):
     assert not next_llm.blocks.enable_prefix_caching
+
+
+@pytest.fixture(scope="module")
+def qwen3_next_kernel_dims(tmp_path_factory):
+    """Qwen3-Next with head dims the kernels take (GDN 64 / 64, attention 64), two v heads per k head."""
+    torch.manual_seed(0)
+    dims = TEXT | dict(head_dim=64, linear_key_head_dim=64, linear_value_head_dim=64, linear_num_key_heads=1,
+                       linear_num_value_heads=2)
+    model = _perturbed(transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**dims, intermediate_size=96)))
+    path = tmp_path_factory.mktemp("qwen3_next_kernels")
+    model.save_pretrained(path)
+    return path, model
+
+
+def test_kernel_path_matches_transformers(qwen3_next_kernel_dims):
+    """`kernels="triton"` (under the interpreter without a GPU): the Gated DeltaNet's conv and delta-rule kernels
+    (`gpu_layers.delta_net`, prefill resuming from the slots across chunks, then decode) and the attention kernels."""
+    from gpu_support import DEVICE
+
+    path, model = qwen3_next_kernel_dims
+    llm = _llm(path, device=str(DEVICE), kernels="triton")
+    assert llm.backends.attention.name == "triton" and llm.backends.attention.has_linear_kernels
+    for length in (1, 7, 33):
+        prompt = _prompt(length, seed=50 + length)
+        with torch.no_grad():
+            ref = model.to(DEVICE)(torch.tensor([prompt], device=DEVICE)).logits[0].float()
+        ours = llm.prefill_logits(prompt)
+        assert (ours - ref).abs().max() <= 1e-4 * ref.abs().max(), f"kernels: prefill of {length} tokens"
+    engine = Engine(llm, max_num_batched_tokens=16, max_num_seqs=2)  # a 33-token prompt in three chunks
+    try:
+        prompt = _prompt(33, seed=83)
+        tokens = engine.generate([prompt], max_tokens=8, ignore_eos=True)[0]
+    finally:
+        engine.close()
+    reference = list(prompt)
+    with torch.no_grad():
+        for _ in range(8):
+            reference.append(int(model(torch.tensor([reference], device=DEVICE)).logits[0, -1].argmax()))
+    assert tokens == reference[len(prompt):]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_graph_decode_equals_eager(qwen3_next_kernel_dims):
+    """Decode steps replayed as CUDA graphs read and write the recurrent states by slot (static slot buffers, padded
+    rows skipped): the graph engine generates what the eager engine does, batched with chunked prefill."""
+    path, _ = qwen3_next_kernel_dims
+    prompts = [_prompt(n, seed=90 + n) for n in (1, 9, 21, 40)]  # a one-token prompt starts its state eagerly
+    outputs = {}
+    for is_graph in (False, True):
+        llm = _llm(path, device="cuda", dtype="bfloat16", kernels="triton", cuda_graph=is_graph)
+        engine = Engine(llm, max_num_batched_tokens=16, max_num_seqs=4)
+        try:
+            outputs[is_graph] = engine.generate(prompts, max_tokens=24, ignore_eos=True)
+            assert (engine.runner.graphs is not None and engine.runner.graphs.num_replays > 0) == is_graph
+        finally:
+            engine.close()
+    assert outputs[True] == outputs[False]

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from gpu_layers import reference
-from hybrid.config import AttentionConfig, ModelConfig
+from hybrid.config import AttentionConfig, LinearAttentionConfig, ModelConfig
 from hybrid.forward_batch import ForwardBatch
 from hybrid.layers.delta_net import torch_causal_conv1d, torch_gated_delta_rule
 from hybrid.layers.ops import TORCH_OPS, DenseOps, dense_ops_for
@@ -38,9 +38,9 @@ class _TorchGatedDeltaNet:
 
     def gated_delta_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                          beta: torch.Tensor, state_pool: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """q, k [T, Hv, Dk] (L2-normalised here), v [T, Hv, Dv], g (log decay), beta [T, Hv]; state_pool float32
-        [num_slots, Hv, Dk, Dv], read (where `batch.has_initial_state`) and written at `batch.state_slots`
-        -> [T, Hv, Dv]."""
+        """q, k [T, Hk, Dk] (L2-normalised here; each k head serves Hv / Hk consecutive v heads), v [T, Hv, Dv],
+        g (log decay), beta [T, Hv] float32; state_pool float32 [num_slots, Hv, Dk, Dv], read (where
+        `batch.has_initial_state`) and written at `batch.state_slots` -> [T, Hv, Dv]."""
         return torch_gated_delta_rule(q, k, v, g, beta, state_pool, batch)
 
 
@@ -89,16 +89,27 @@ class TorchAttentionBackend(_TorchGatedDeltaNet):
         )
 
 
+def _zero_fresh_slots(pool: torch.Tensor, batch: ForwardBatch) -> None:
+    """The decode kernels always resume: a one-token step that starts a sequence (a one-token prompt) zeroes its
+    slot first (eager steps only: the runner replays graphs for resuming rows alone)."""
+    fresh = [slot for slot, resumes in zip(batch.state_slots_cpu, batch.has_initial_state_cpu, strict=True)
+             if not resumes and slot >= 0]
+    if fresh:
+        pool[fresh] = 0
+
+
 class TritonAttentionBackend(_TorchGatedDeltaNet):
     """The paged-attention kernels of `gpu_layers`: the KV-cache write, then decode (split-K over the context) when
     every sequence of the step has one new token, else prefill/extend (causal over the paged prefix)."""
 
     name = "triton"
 
-    def __init__(self):
+    def __init__(self, has_linear_kernels: bool = False):
+        """`has_linear_kernels`: the Gated DeltaNet layers run on `gpu_layers.delta_net` (`supports_linear`)."""
         from gpu_layers import attention, kv_cache, mla
 
         self.attention, self.kv_cache, self.mla_kernels = attention, kv_cache, mla
+        self.has_linear_kernels = has_linear_kernels
 
     @staticmethod
     def supports(cfg: AttentionConfig, block_size: int) -> bool:
@@ -123,6 +134,38 @@ class TritonAttentionBackend(_TorchGatedDeltaNet):
         return self.attention.paged_prefill_attention(
             q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
             max(batch.query_lens_cpu), scale, sliding_window, sinks=sinks)
+
+    @staticmethod
+    def supports_linear(cfg: LinearAttentionConfig, dtype: torch.dtype) -> bool:
+        """Whether `gpu_layers.delta_net`'s kernels take this Gated DeltaNet layer (else the PyTorch loops run)."""
+        from gpu_layers import delta_net
+
+        return (dtype in delta_net.SUPPORTED_DTYPES and cfg.head_k_dim in delta_net.SUPPORTED_HEAD_DIMS
+                and cfg.head_v_dim in delta_net.SUPPORTED_HEAD_DIMS
+                and cfg.conv_kernel in delta_net.SUPPORTED_KERNEL_SIZES)
+
+    def causal_conv1d(self, x, weight, conv_pool, batch: ForwardBatch) -> torch.Tensor:
+        if not self.has_linear_kernels:
+            return super().causal_conv1d(x, weight, conv_pool, batch)
+        from gpu_layers import delta_net
+
+        if max(batch.query_lens_cpu) == 1:
+            _zero_fresh_slots(conv_pool, batch)
+            return delta_net.causal_conv1d_decode(x, weight, None, conv_pool, batch.state_slots)
+        return delta_net.causal_conv1d_prefill(x, weight, None, batch.query_start_loc, conv_pool, batch.state_slots,
+                                               batch.has_initial_state, max_seqlen=max(batch.query_lens_cpu))
+
+    def gated_delta_rule(self, q, k, v, g, beta, state_pool, batch: ForwardBatch) -> torch.Tensor:
+        if not self.has_linear_kernels:
+            return super().gated_delta_rule(q, k, v, g, beta, state_pool, batch)
+        from gpu_layers import delta_net
+
+        scale = q.shape[-1] ** -0.5
+        if max(batch.query_lens_cpu) == 1:
+            _zero_fresh_slots(state_pool, batch)
+            return delta_net.gated_delta_rule_decode(q, k, v, g, beta, state_pool, batch.state_slots, scale)
+        return delta_net.gated_delta_rule_prefill(q, k, v, g, beta, batch.query_start_loc, state_pool,
+                                                  batch.state_slots, batch.has_initial_state, scale)
 
     def mla(self, q_nope, q_rope, latent, kv_cache, w_kv_b, batch: ForwardBatch, scale: float,
             v_head_dim: int) -> torch.Tensor:
@@ -175,7 +218,9 @@ class Backends:
         is_triton = ops is not TORCH_OPS
         attention = TorchAttentionBackend()
         if is_triton and all(TritonAttentionBackend.supports(spec.attention, block_size) for spec in config.layers):
-            attention = TritonAttentionBackend()
+            linear = [spec.linear for spec in config.layers if spec.linear is not None]
+            attention = TritonAttentionBackend(bool(linear) and all(
+                TritonAttentionBackend.supports_linear(cfg, dtype) for cfg in linear))
         is_half_kernels = uses_gemm_kernels(device, kernels, dtype)
         if make_experts is None:
             make_experts = triton_experts_factory if is_half_kernels else default_experts_factory

@@ -9,8 +9,9 @@ A sequence's states live in the layer's slot pools (`state_cache`: recurrent [nu
 conv [num_slots, conv_dim, K - 1], bound with the KV cache, `hybrid.kv_cache.allocate_state_cache`); the step names
 each sequence's slot (`ForwardBatch.state_slots`) and whether its chunk resumes the sequence
 (`has_initial_state`: else the states start from zero). The conv and the delta rule run in the attention backend
-(`gated_delta_rule`, `causal_conv1d`); the functions below are the plain-PyTorch ones, one token at a time in
-float32 (the oracle for kernels).
+(`gated_delta_rule`, `causal_conv1d`): on the Triton backend `gpu_layers.delta_net`'s kernels where they take the
+layer's dims (prefill over the packed chunks, decode one token a row by slot, CUDA-graph safe), else the
+plain-PyTorch functions below, one token at a time in float32 (the kernels' oracle).
 """
 
 from __future__ import annotations
@@ -71,8 +72,12 @@ def torch_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.
 
 
 def torch_gated_delta_rule(q, k, v, g, beta, state_pool: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-    """[T, H, ...] of the step's sequences -> [T, H, Dv]; each sequence's state is `state_pool[its slot]`, zeroed
-    first unless its chunk resumes the sequence."""
+    """q, k [T, Hk, Dk], v [T, Hv, Dv], g, beta [T, Hv] of the step's sequences -> [T, Hv, Dv] (q and k repeated to
+    the v heads, each k head serving Hv / Hk consecutive v heads); each sequence's state is `state_pool[its slot]`,
+    zeroed first unless its chunk resumes the sequence."""
+    ratio = v.shape[1] // q.shape[1]
+    if ratio > 1:
+        q, k = q.repeat_interleave(ratio, dim=1), k.repeat_interleave(ratio, dim=1)
     out, start = [], 0
     for n, slot, resumes in zip(batch.query_lens_cpu, batch.state_slots_cpu, batch.has_initial_state_cpu,
                                 strict=True):
@@ -135,9 +140,6 @@ class GatedDeltaNet(nn.Module):
         v = v.reshape(num_tokens, cfg.num_v_heads, cfg.head_v_dim)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # float32: exp(A_log) overflows fp16
-        ratio = cfg.num_v_heads // cfg.num_k_heads
-        if ratio > 1:
-            q, k = q.repeat_interleave(ratio, dim=1), k.repeat_interleave(ratio, dim=1)
-        core = self.backend.gated_delta_rule(q, k, v, g, beta, state_pool, batch)  # [T, Hv, Dv]
+        core = self.backend.gated_delta_rule(q, k, v, g, beta.float(), state_pool, batch)  # [T, Hv, Dv]
         out = self.norm(core.reshape(-1, cfg.head_v_dim), z.reshape(-1, cfg.head_v_dim))
         return self.out_proj(out.reshape(num_tokens, self.value_dim))
