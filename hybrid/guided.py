@@ -16,6 +16,7 @@ request whose grammar has ended finishes with "stop".
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING
@@ -85,8 +86,8 @@ class GrammarCache:
 
 def _compile(compiler: xgrammar.GrammarCompiler, spec: GuidedSpec) -> xgrammar.CompiledGrammar:
     try:
-        if spec.kind == "json_object":
-            return compiler.compile_builtin_json_grammar()
+        if spec.kind == "json_object":  # any object, without the builtin grammar's unbounded whitespace
+            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
         if spec.kind == "json_schema":
             return compiler.compile_json_schema(spec.spec, any_whitespace=False)
         if spec.kind == "regex":
@@ -99,8 +100,14 @@ def _compile(compiler: xgrammar.GrammarCompiler, spec: GuidedSpec) -> xgrammar.C
     except ValueError:
         raise
     except Exception as exc:  # xgrammar raises RuntimeError (and its own errors) for invalid specs
-        raise ValueError(f"invalid {spec.kind}: {str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}") \
-            from None
+        raise ValueError(f"invalid {spec.kind}: {_reason(exc)}") from None
+
+
+def _reason(exc: Exception) -> str:
+    """xgrammar's message without its timestamp, C++ source location and failed-check preamble."""
+    text = exc.args[0] if exc.args and isinstance(exc.args[0], str) else str(exc)
+    text = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", text.strip().splitlines()[0] if text.strip() else repr(exc))
+    return re.sub(r"^Check failed: \(.*?\) is false:\s*", "", text)
 
 
 def choice_grammar(choices: list) -> str:
