@@ -117,6 +117,18 @@ def choice_grammar(choices: list) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+def json_then_text_grammar(schema: dict | bool, suffix: str) -> str:
+    """An EBNF grammar of compact JSON valid against `schema`, then `suffix` (a tool call and its end tag): the
+    JSON without optional whitespace, which a model could otherwise pad its output with up to max_tokens."""
+    import xgrammar
+
+    try:
+        json_grammar = xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+    except Exception as exc:
+        raise ValueError(f"invalid json_schema: {_reason(exc)}") from None
+    return str(xgrammar.Grammar.concat(json_grammar, xgrammar.Grammar.from_ebnf(f"root ::= {json.dumps(suffix)}")))
+
+
 def _compile_structural_tag(compiler: xgrammar.GrammarCompiler, tag: dict) -> xgrammar.CompiledGrammar:
     """xgrammar's structural tag ({"type": "structural_tag", "format": ...}), or the older form vLLM also takes
     ({"structures": [{"begin", "schema", "end"}], "triggers": [...]})."""
@@ -147,7 +159,7 @@ class GuidedRequests:
         if stop_token_ids:
             matcher = xgrammar.GrammarMatcher(compiled, override_stop_tokens=sorted(stop_token_ids))
         else:  # ignore_eos and no stop ids: the request ends where the grammar does
-            matcher = xgrammar.GrammarMatcher(compiled, override_stop_tokens=[], terminate_without_stop_token=True)
+            matcher = xgrammar.GrammarMatcher(compiled, terminate_without_stop_token=True)
         self._matchers[request_id] = matcher
 
     def remove(self, request_id: int) -> None:

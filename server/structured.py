@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 
+from hybrid.guided import json_then_text_grammar
 from hybrid.sampling import GuidedSpec
 from server.errors import APIError
 
@@ -57,23 +58,17 @@ def tool_call_spec(parser_name: str | None, tools: list[dict], function_name: st
     parameters = {tool["function"]["name"]: tool["function"].get("parameters") or {"type": "object"}
                   for tool in tools}
     if function_name is not None:  # the prefix ends at '"arguments": ': the arguments, then the call's end
-        elements = [_json_element(parameters[function_name]), _const("}" + HERMES_CALL_END)]
+        schema, suffix = parameters[function_name], "}" + HERMES_CALL_END
     else:
         calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": schema},
                   "required": ["name", "arguments"], "additionalProperties": False}
                  for name, schema in parameters.items()]
-        elements = [_json_element(calls[0] if len(calls) == 1 else {"anyOf": calls}), _const(HERMES_CALL_END)]
-    tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": elements}}
-    return GuidedSpec("structural_tag", json.dumps(tag))
-
-
-def _json_element(schema: dict) -> dict:
-    # whitespace bounded: a model may otherwise pad a call with spaces until max_tokens
-    return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1}
-
-
-def _const(text: str) -> dict:
-    return {"type": "const_string", "value": text}
+        schema, suffix = calls[0] if len(calls) == 1 else {"anyOf": calls}, HERMES_CALL_END
+    try:
+        return GuidedSpec("grammar", json_then_text_grammar(schema, suffix))
+    except ValueError as exc:
+        raise APIError(400, f"tools: a function's parameters are not a usable JSON schema: {exc}",
+                       param="tools") from None
 
 
 def compile_spec(state, spec: GuidedSpec | None, param: str | None) -> None:
