@@ -9,6 +9,8 @@ schedule -> run -> update:
 3. update: sample every row at once on the device (`hybrid.sampling.sample_batch`: each request's parameters,
    penalties and seed; one transfer to the host), append, finish on a stop token, a stop string (with a tokenizer,
    `hybrid.detokenizer`) or max_tokens, free the pages of finished requests, publish full pages to the prefix cache.
+   Grammar-constrained requests (`hybrid.guided`) have their token masks filled on the host first, while the
+   forward pass still runs on the device; a request whose grammar ends finishes with "stop".
 
 `Engine` takes an `LLM` (the model, its KV cache and its config) and takes its pages from the LLM's one set of
 per-cache-group allocators (`llm.blocks`), so pages are never handed out twice; the newest engine built over an
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from hybrid.detokenizer import IncrementalDetokenizer
+from hybrid.guided import GrammarCache, GuidedRequests
 from hybrid.model_runner import ModelRunner
 from hybrid.sampling import RowInputs, SampleResult, SamplingParams, sample_batch
 from hybrid.scheduler import Request, ScheduledChunk, Scheduler
@@ -78,6 +81,9 @@ class Engine:
         self._generators: dict[int, torch.Generator] = {}
         self.tokenizer = tokenizer
         self._detokenizers: dict[int, IncrementalDetokenizer] = {}
+        # compiled grammars: the server attaches its tokenizer and compiles there, where the engine has none
+        self.grammars = GrammarCache(llm.config.vocab_size, tokenizer)
+        self._guided = GuidedRequests(self.grammars)
         llm.attach_engine(self)
 
     @property
@@ -100,9 +106,13 @@ class Engine:
                              f"{self.llm.config.vocab_size})")
         if stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer: build the engine with Engine(llm, tokenizer=...)")
+        if params.guided is not None:
+            self.grammars.get(params.guided)  # an invalid spec fails here, before the request exists
         stops = set(stop_token_ids or ()) | (set() if ignore_eos else set(self.llm.config.eos_token_ids))
         request = Request(next(self._ids), list(prompt_ids), params, max_tokens, frozenset(stops))
         self.scheduler.add(request)
+        if params.guided is not None:
+            self._guided.add(request.request_id, params.guided, request.stop_token_ids)
         self.requests[request.request_id] = request
         if params.seed is not None:
             self._generators[request.request_id] = torch.Generator(device=self.device).manual_seed(params.seed)
@@ -122,6 +132,7 @@ class Engine:
             self.scheduler.finish(request, reason)
             self._generators.pop(request_id, None)
             self._detokenizers.pop(request_id, None)
+            self._guided.remove(request_id)
 
     def stats(self) -> EngineStats:
         slots = self.blocks.state_slots
@@ -168,8 +179,14 @@ class Engine:
                 outputs.append(StepOutput(r.request_id, -1, "error", error=result.errors[i]))
                 continue
             token = result.token_ids[i]
+            is_accepted, has_ended = self._guided.accept(r.request_id, token)
+            if not is_accepted:  # the mask allowed it: the grammar and the mask disagree
+                self.finish(r.request_id, "error")
+                outputs.append(StepOutput(r.request_id, -1, "error", error=f"token {token} breaks the grammar"))
+                continue
             r.output_ids.append(token)
-            reason = "stop" if token in r.stop_token_ids else "length" if len(r.output_ids) >= r.max_tokens else None
+            reason = "stop" if token in r.stop_token_ids or has_ended else \
+                "length" if len(r.output_ids) >= r.max_tokens else None
             text, detokenizer = None, self._detokenizers.get(r.request_id)
             if detokenizer is not None:
                 text, reason = detokenizer.step(token, reason)  # a stop string also ends it: "stop"
@@ -180,6 +197,8 @@ class Engine:
 
     def _sample(self, requests: list[Request], logits: torch.Tensor) -> SampleResult:
         """logits [len(requests), V] -> every request's next token in one batched draw (one host sync); a seeded
-        request draws from its own generator, the rest from the device's default one."""
+        request draws from its own generator, the rest from the device's default one. The constrained requests'
+        masks are filled here, before anything waits for the logits."""
+        mask = self._guided.fill([r.request_id for r in requests])
         rows = [RowInputs(r.params, self._generators.get(r.request_id), r.prompt_ids, r.output_ids) for r in requests]
-        return sample_batch(logits, rows)
+        return sample_batch(logits, rows, mask=mask)

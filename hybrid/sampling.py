@@ -1,6 +1,7 @@
 """Token sampling from float32 logits: greedy, or temperature with top-k, top-p and min-p filtering; repetition
 (HF's: seen tokens' logits divided, or multiplied when negative), presence and frequency (OpenAI's: subtracted per
-generated token) penalties applied first, then OpenAI's logit_bias (added to its tokens' logits).
+generated token) penalties applied first, then OpenAI's logit_bias (added to its tokens' logits). A
+grammar-constrained row (`GuidedSpec`, `hybrid.guided`) has its disallowed tokens at -inf before all of that.
 
 `sample_batch` is what the engine runs: every row of a step at once on the logits' device, with one
 device-to-host transfer for the tokens and their logprobs. `sample` and `apply_penalties` are the one-parameter-set
@@ -21,6 +22,32 @@ MAX_LOGIT_BIAS_TOKENS = 300  # OpenAI's limit on the tokens one request biases
 # Temperatures below this are greedy (as in vLLM): dividing float32 logits by them overflows to inf.
 GREEDY_TEMPERATURE = 1e-5
 NON_FINITE_LOGITS = "the logits are NaN or inf (the model's output, or penalties applied to it)"
+
+
+GUIDED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
+
+
+@dataclass(frozen=True)
+class GuidedSpec:
+    """A grammar the output must follow, as data (compiled and cached by `hybrid.guided.GrammarCache`): `kind`
+    one of GUIDED_KINDS, `spec` its text: a JSON schema, a regex, a JSON list of the choices, an EBNF grammar or
+    a structural tag's JSON (json_object: none)."""
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self):
+        if self.kind not in GUIDED_KINDS:
+            raise ValueError(f"guided kind must be one of {', '.join(GUIDED_KINDS)}, got {self.kind!r}")
+
+
+@dataclass(frozen=True)
+class TokenMask:
+    """The tokens each constrained row of a step may sample: `bitmask` [len(rows), ceil(V / 32)] int32 on the host,
+    bit j of word w allowing token 32 * w + j (xgrammar's layout), `rows` the sampled rows it applies to."""
+
+    rows: Sequence[int]
+    bitmask: torch.Tensor
 
 
 def _float32(name: str, value: float) -> float:
@@ -44,6 +71,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; 0: the sampled token's; k: also the k most likely tokens'
     # OpenAI's logit_bias: (token id, bias) pairs, each bias added to its token's logit after the penalties
     logit_bias: tuple[tuple[int, float], ...] = ()
+    guided: GuidedSpec | None = None  # None: unconstrained
 
     def __post_init__(self):
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
@@ -139,8 +167,8 @@ def apply_penalties(logits: torch.Tensor, prompt_ids: list[int], output_ids: lis
     return logits
 
 
-def sample_batch(logits: torch.Tensor, rows: Sequence[RowInputs],
-                 generator: torch.Generator | None = None) -> SampleResult:
+def sample_batch(logits: torch.Tensor, rows: Sequence[RowInputs], generator: torch.Generator | None = None,
+                 mask: TokenMask | None = None) -> SampleResult:
     """logits [N, V] float32 on the device, one `RowInputs` per row -> the rows' tokens and logprobs on the host.
 
     Per row: penalties (`apply_penalties`), then argmax for a greedy row, or temperature, top-k, min-p and top-p
@@ -155,12 +183,18 @@ def sample_batch(logits: torch.Tensor, rows: Sequence[RowInputs],
     A row with a NaN or inf among its penalised logits samples nothing (token -1, an error): argmax would pick
     whatever the NaN is, and the request must fail rather than continue on a garbage token.
 
+    `mask` (grammar-constrained rows): its rows' disallowed tokens are -inf first, before the penalties, so they
+    are never sampled and the logprobs are the constrained distribution's; those -inf are not errors. Without a
+    mask nothing of this runs.
+
     Everything stays on the device up to one `.tolist()` of a packed float64 tensor (token ids are exact in it), so
     a CUDA step waits for the GPU once."""
     if not rows:
         return SampleResult([], [], [], [])
+    logits, disallowed = apply_token_mask(logits, mask)
     logits = apply_logit_bias_batch(apply_penalties_batch(logits, rows), rows)
-    is_finite = torch.isfinite(logits).all(dim=-1)  # [N]
+    is_finite = torch.isfinite(logits) if disallowed is None else torch.isfinite(logits) | disallowed
+    is_finite = is_finite.all(dim=-1)  # [N]
     tokens = logits.argmax(dim=-1)  # [N]: the greedy rows' tokens; the random rows' are replaced below
     random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
     if random_rows:
@@ -180,6 +214,21 @@ def sample_batch(logits: torch.Tensor, rows: Sequence[RowInputs],
             parts += [top.indices.flatten(), top.values.flatten()]
     values = torch.cat([part.to(torch.float64) for part in parts]).tolist()  # the one device-to-host transfer
     return _unpack(values, rows, logprob_rows, num_top)
+
+
+def apply_token_mask(logits: torch.Tensor, mask: TokenMask | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logits [N, V] -> (a copy with the masked rows' disallowed tokens at -inf, those positions [N, V] bool);
+    (`logits`, None) without a mask. The bits are unpacked on the device: one copy of C * V / 32 words."""
+    if mask is None or not len(mask.rows):
+        return logits, None
+    num_rows, num_vocab = logits.shape
+    device = logits.device
+    words = mask.bitmask.to(device, non_blocking=True)  # [C, W] int32
+    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    allowed = ((words[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :num_vocab]  # [C, V]
+    index = _to_device(list(mask.rows), torch.long, device)
+    disallowed = torch.zeros(num_rows, num_vocab, dtype=torch.bool, device=device).index_copy(0, index, ~allowed)
+    return logits.masked_fill(disallowed, float("-inf")), disallowed
 
 
 def apply_penalties_batch(logits: torch.Tensor, rows: Sequence[RowInputs]) -> torch.Tensor:

@@ -96,7 +96,7 @@ async def create_message(state: ServerState, body: MessagesRequest, raw: Request
 
 
 async def count_tokens(state: ServerState, body: CountTokensRequest) -> dict:
-    _, prompt_ids, _ = await off_loop(state, prepare_chat, state, to_chat_request(body), COUNT_TOKENS_PATH)
+    _, prompt_ids, _, _ = await off_loop(state, prepare_chat, state, to_chat_request(body), COUNT_TOKENS_PATH)
     return {"input_tokens": len(prompt_ids)}
 
 

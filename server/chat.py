@@ -3,10 +3,12 @@ reasoning parser (`<think>` -> reasoning_content) and then the tool-call parser 
 `chat.completion.chunk` events or returned as one `chat.completion`.
 
 `tool_choice` "none" leaves the tools out of the prompt; "auto" lets the model choose; "required" and a named
-function append the text that opens a call (`forced_prefix`) to the prompt, so the model continues a call (there is
-no grammar-constrained decoding); a think block the prompt opened is closed first. `chat_template_kwargs` go to
-the template as they are (`{"thinking": false}` for Kimi-K2.5, `{"enable_thinking": false}` for GLM and Qwen3), and
-the reasoning parser starts where the rendered prompt leaves the output: inside a think block or not.
+function append the text that opens a call (`forced_prefix`) to the prompt, so the model continues a call,
+constrained to a valid call of the tools where `server.structured` covers the parser's format (Hermes); a think
+block the prompt opened is closed first. `response_format` and vLLM's `guided_*` fields constrain the output too.
+`chat_template_kwargs` go to the template as they are (`{"thinking": false}` for Kimi-K2.5,
+`{"enable_thinking": false}` for GLM and Qwen3), and the reasoning parser starts where the rendered prompt leaves
+the output: inside a think block or not.
 
 gpt-oss's harmony format takes the place of all three: `server.harmony` renders the prompt and one parser splits
 the output into reasoning, content and calls, the calls' arguments streamed as they come.
@@ -23,6 +25,7 @@ from functools import partial
 from fastapi.responses import JSONResponse
 from starlette.requests import Request
 
+from hybrid.sampling import GuidedSpec
 from server import harmony
 from server.errors import APIError, error_body
 from server.prompts import check_encodable, check_prompt_bytes, encode
@@ -45,6 +48,7 @@ from server.serving import (
     token_text,
     usage,
 )
+from server.structured import compile_spec, request_spec, tool_call_spec
 from server.tool_calls import CallDelta, ToolCall, ToolCallParser, ToolDelta
 
 
@@ -200,14 +204,21 @@ def render_prompt(state: ServerState, request: ChatCompletionRequest) -> tuple[s
 
 
 def prepare_chat(state: ServerState, request: ChatCompletionRequest, route: str = "/v1/chat/completions",
-                 ) -> tuple[str, list[int], type[ToolCallParser] | None]:
-    """The prompt text, its token ids and the tool-call parser (run `off_loop`)."""
+                 ) -> tuple[str, list[int], type[ToolCallParser] | None, GuidedSpec | None]:
+    """The prompt text, its token ids, the tool-call parser and the output's grammar, compiled (run `off_loop`)."""
     check_encodable(request)
     check_model(state, request.model)
     require_tokenizer(state, route)
+    spec, param = request_spec(request)
     prompt_text, parser = render_prompt(state, request)
+    if _forced_prefix(parser, request):
+        name = request.tool_choice.function.name if isinstance(request.tool_choice, NamedToolChoice) else None
+        tools = [tool.model_dump(exclude_none=True) for tool in request.tools]
+        spec, param = tool_call_spec(parser.name, tools, name) or spec, "tools"
+    compile_spec(state, spec, param)
     check_prompt_bytes(prompt_text, state.model.max_token_bytes, state.model.max_model_len, "messages")
-    return prompt_text, encode(state.model.tokenizer, prompt_text, "messages", add_special_tokens=False), parser
+    ids = encode(state.model.tokenizer, prompt_text, "messages", add_special_tokens=False)
+    return prompt_text, ids, parser, spec
 
 
 async def create_chat_completion(state: ServerState, request: ChatCompletionRequest, raw: Request):
@@ -223,7 +234,7 @@ async def start_chat(state: ServerState, request: ChatCompletionRequest, route: 
     """The request as the engine runs it, its started generation (which the caller's response must close), a
     `ChatChoice` per choice and what the response repeats; the Anthropic Messages API shares it."""
     start_time = time.perf_counter()
-    prompt_text, prompt_ids, parser = await off_loop(state, prepare_chat, state, request, route)
+    prompt_text, prompt_ids, parser, guided = await off_loop(state, prepare_chat, state, request, route)
     max_tokens = resolve_max_tokens(request.max_new_tokens, len(prompt_ids), state.model.max_model_len, "messages")
     reasoning = state.model.reasoning_parser
     prefix = _forced_prefix(parser, request)  # the parser reads the opening of a forced call as output
@@ -238,7 +249,7 @@ async def start_chat(state: ServerState, request: ChatCompletionRequest, route: 
         request = request.model_copy(update={"skip_special_tokens": False})
     is_named = isinstance(request.tool_choice, NamedToolChoice)
     info = response_info("chatcmpl", state.model.name, len(prompt_ids), is_named)
-    generation = Generation(state, request, [prompt_ids], [max_tokens], start_time)
+    generation = Generation(state, request, [prompt_ids], [max_tokens], start_time, guided)
     await generation.start()  # from here on, the response (stream or collection) closes the generation
     return request, generation, choices, info
 

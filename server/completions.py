@@ -30,6 +30,7 @@ from server.serving import (
     token_text,
     usage,
 )
+from server.structured import compile_spec, request_spec
 
 
 class _Logprobs:
@@ -65,6 +66,7 @@ def _prepare(state: ServerState, request: CompletionRequest) -> tuple[list[list[
         require_tokenizer(state, "echo", "echo")
     if request.stop_strings:
         require_tokenizer(state, "stop strings", "stop")
+    compile_spec(state, *request_spec(request))
     prompts = []
     for prompt in request.prompts:
         if isinstance(prompt, str):

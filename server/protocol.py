@@ -1,7 +1,8 @@
 """The OpenAI request bodies the server accepts, as pydantic models: types and ranges are checked here, so a
 handler only sees valid requests. Fields clients commonly send that change nothing here (`user`, `metadata`,
 `store`, `parallel_tool_calls`, ...) are accepted and ignored; fields whose meaning the server cannot honour
-(`response_format` other than text, `suffix`, `best_of` != n) are rejected by name.
+(`suffix`, `best_of` != n) are rejected by name. Structured outputs (`response_format`, vLLM's `guided_*`) are
+checked for shape here and compiled by `server.structured`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 NonNegInt = Annotated[int, Field(ge=0)]
 MAX_N = 128  # completions per request; the queue limit bounds the total anyway
 MAX_TOP_LOGPROBS = 20
+RESPONSE_FORMATS = ("text", "json_object", "json_schema", "structural_tag")
 
 
 class OpenAIModel(BaseModel):
@@ -112,6 +114,18 @@ class SamplingRequest(OpenAIModel):
     stop_token_ids: list[NonNegInt] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(default=None, min_length=1)
+    guided_grammar: str | None = None
+
+    @model_validator(mode="after")
+    def _one_guide(self):
+        named = [name for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+                 if getattr(self, name) is not None]
+        if len(named) > 1:
+            raise ValueError(f"at most one of {', '.join(named)} may be set")
+        return self
 
     @field_validator("logit_bias")
     @classmethod
@@ -152,8 +166,9 @@ class ChatCompletionRequest(SamplingRequest):
     def _check(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError(f"response_format type '{self.response_format.get('type')}' is not supported")
+        if self.response_format and self.response_format.get("type", "text") not in RESPONSE_FORMATS:
+            raise ValueError(f"response_format type '{self.response_format.get('type')}' is not supported: one of "
+                             f"{', '.join(RESPONSE_FORMATS)}")
         if isinstance(self.tool_choice, NamedToolChoice) or self.tool_choice == "required":
             names = {tool.function.name for tool in self.tools or ()}
             if not names:

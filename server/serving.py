@@ -23,12 +23,13 @@ from pathlib import Path
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from hybrid.sampling import SamplingParams
+from hybrid.sampling import GuidedSpec, SamplingParams
 from server.config import ServerConfig
 from server.engine_loop import NO_TOKENIZER, Accepted, EngineLoop, Failure, GenerateJob, Output
 from server.errors import APIError
 from server.metrics import Metrics
 from server.reasoning import ReasoningParser
+from server.structured import request_spec
 from server.tool_parsers import ToolCallParser
 
 SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -100,8 +101,9 @@ def require_tokenizer(state: ServerState, what: str, param: str | None = None) -
                        param=param)
 
 
-def make_params(request, defaults: dict, index: int) -> SamplingParams:
-    """The engine's sampling parameters for choice `index` of `request` (seeded requests: seed + index)."""
+def make_params(request, defaults: dict, index: int, guided: GuidedSpec | None = None) -> SamplingParams:
+    """The engine's sampling parameters for choice `index` of `request` (seeded requests: seed + index); `guided`:
+    the grammar (None: the request's own, `server.structured.request_spec`)."""
     def pick(name, fallback):
         value = getattr(request, name)
         return value if value is not None else defaults.get(name, fallback)
@@ -110,7 +112,7 @@ def make_params(request, defaults: dict, index: int) -> SamplingParams:
     kwargs = dict(temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0), top_k=max(pick("top_k", 0), 0),
                   min_p=pick("min_p", 0.0), seed=seed, repetition_penalty=pick("repetition_penalty", 1.0),
                   presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
-                  logit_bias=request.logit_bias_pairs)
+                  logit_bias=request.logit_bias_pairs, guided=guided or request_spec(request)[0])
     if request.num_logprobs is not None:
         kwargs["logprobs"] = request.num_logprobs
     try:
@@ -145,8 +147,9 @@ def stop_token_ids(state: ServerState, request) -> list[int]:
 
 class Generation:
     def __init__(self, state: ServerState, request, prompts: list[list[int]], max_tokens: list[int],
-                 start_time: float):
-        """One engine request per (prompt, choice): choice index = prompt index * n + choice."""
+                 start_time: float, guided: GuidedSpec | None = None):
+        """One engine request per (prompt, choice): choice index = prompt index * n + choice; `guided`: see
+        `make_params`."""
         self.state = state
         self.start_time = start_time
         self._queue: asyncio.Queue = asyncio.Queue()
@@ -154,7 +157,7 @@ class Generation:
         loop = asyncio.get_running_loop()
         stops = stop_token_ids(state, request)
         self.jobs = [
-            GenerateJob(prompt, make_params(request, state.model.sampling_defaults, choice), limit,
+            GenerateJob(prompt, make_params(request, state.model.sampling_defaults, choice, guided), limit,
                         partial(self._sink, loop, p * request.n + choice), request.stop_strings,
                         stops, request.ignore_eos, request.skip_special_tokens)
             for p, (prompt, limit) in enumerate(zip(prompts, max_tokens, strict=True)) for choice in range(request.n)]

@@ -1,0 +1,195 @@
+"""Grammar-constrained decoding with xgrammar: compiled grammars cached by spec, one matcher per constrained
+request, and the step's token bitmask filled on the host.
+
+The engine fills the bitmask (`GuidedRequests.fill`) after the runner has launched the step's forward pass and
+before sampling reads its logits, so on a GPU the host computes the masks while the device computes the logits;
+`hybrid.sampling.sample_batch` then applies them on the device. The mask applies to the logits a CUDA graph returns,
+outside the graph, so the captured graphs are the same with or without constraints. A request without a spec has no
+matcher and the step no mask: it pays nothing, and xgrammar is not even imported until a first spec is compiled.
+
+A matcher advances with each token the request samples and with nothing else. A preempted request keeps its output
+tokens and recomputes their KV; the token sampled after the recompute follows them, so its matcher stays as it was
+(no rollback). The matcher's stop tokens are the request's: EOS is allowed only where the grammar may end, and a
+request whose grammar has ended finishes with "stop".
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+from hybrid.sampling import GuidedSpec, TokenMask
+
+if TYPE_CHECKING:
+    import xgrammar
+
+MAX_CACHED_GRAMMARS = 256
+NEEDS_TOKENIZER = "guided decoding needs a tokenizer: build the engine with Engine(llm, tokenizer=...)"
+
+
+class GrammarCache:
+    """Compiled grammars by (kind, spec), the least recently used dropped past `max_entries`. Thread-safe: the
+    server compiles in its prompt threads (an invalid spec is a 400 there), the engine thread then finds the entry.
+    xgrammar's own compiler cache is off: it would grow without bound."""
+
+    def __init__(self, vocab_size: int, tokenizer=None, max_entries: int = MAX_CACHED_GRAMMARS):
+        """`vocab_size`: the logits' width (config.vocab_size), which may exceed the tokenizer's size."""
+        self.vocab_size = vocab_size
+        self.max_entries = max_entries
+        self._tokenizer = tokenizer
+        self._compiler: xgrammar.GrammarCompiler | None = None
+        self._entries: OrderedDict[GuidedSpec, xgrammar.CompiledGrammar] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @property
+    def has_tokenizer(self) -> bool:
+        return self._tokenizer is not None
+
+    def attach_tokenizer(self, tokenizer) -> None:
+        """The tokenizer grammars compile against, where the engine was built without one (the server's)."""
+        with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = tokenizer
+
+    def get(self, spec: GuidedSpec) -> xgrammar.CompiledGrammar:
+        """The compiled grammar of `spec`; ValueError naming what is wrong with an invalid one."""
+        with self._lock:
+            compiled = self._entries.get(spec)
+            if compiled is not None:
+                self._entries.move_to_end(spec)
+                return compiled
+            compiler = self._get_compiler()
+        compiled = _compile(compiler, spec)  # outside the lock: a large schema takes a while
+        with self._lock:
+            self._entries[spec] = compiled
+            self._entries.move_to_end(spec)
+            while len(self._entries) > self.max_entries:
+                self._entries.popitem(last=False)
+        return compiled
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _get_compiler(self) -> xgrammar.GrammarCompiler:
+        if self._compiler is None:
+            if self._tokenizer is None:
+                raise ValueError(NEEDS_TOKENIZER)
+            import xgrammar
+
+            info = xgrammar.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size)
+            self._compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)
+        return self._compiler
+
+
+def _compile(compiler: xgrammar.GrammarCompiler, spec: GuidedSpec) -> xgrammar.CompiledGrammar:
+    try:
+        if spec.kind == "json_object":  # any object, without the builtin grammar's unbounded whitespace
+            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+        if spec.kind == "json_schema":
+            return compiler.compile_json_schema(spec.spec, any_whitespace=False)
+        if spec.kind == "regex":
+            return compiler.compile_regex(spec.spec)
+        if spec.kind == "grammar":
+            return compiler.compile_grammar(spec.spec)
+        if spec.kind == "choice":
+            return compiler.compile_grammar(choice_grammar(json.loads(spec.spec)))
+        return _compile_structural_tag(compiler, json.loads(spec.spec))
+    except ValueError:
+        raise
+    except Exception as exc:  # xgrammar raises RuntimeError (and its own errors) for invalid specs
+        raise ValueError(f"invalid {spec.kind}: {_reason(exc)}") from None
+
+
+def _reason(exc: Exception) -> str:
+    """xgrammar's message without its timestamp, C++ source location and failed-check preamble."""
+    text = exc.args[0] if exc.args and isinstance(exc.args[0], str) else str(exc)
+    text = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", text.strip().splitlines()[0] if text.strip() else repr(exc))
+    return re.sub(r"^Check failed: \(.*?\) is false:\s*", "", text)
+
+
+def choice_grammar(choices: list) -> str:
+    """An EBNF grammar of exactly one of `choices` (strings)."""
+    if not choices or not all(isinstance(c, str) for c in choices):
+        raise ValueError("guided_choice must be a non-empty list of strings")
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def json_then_text_grammar(schema: dict | bool, suffix: str) -> str:
+    """An EBNF grammar of compact JSON valid against `schema`, then `suffix` (a tool call and its end tag): the
+    JSON without optional whitespace, which a model could otherwise pad its output with up to max_tokens."""
+    import xgrammar
+
+    try:
+        json_grammar = xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+    except Exception as exc:
+        raise ValueError(f"invalid json_schema: {_reason(exc)}") from None
+    return str(xgrammar.Grammar.concat(json_grammar, xgrammar.Grammar.from_ebnf(f"root ::= {json.dumps(suffix)}")))
+
+
+def _compile_structural_tag(compiler: xgrammar.GrammarCompiler, tag: dict) -> xgrammar.CompiledGrammar:
+    """xgrammar's structural tag ({"type": "structural_tag", "format": ...}), or the older form vLLM also takes
+    ({"structures": [{"begin", "schema", "end"}], "triggers": [...]})."""
+    if "format" in tag:
+        return compiler.compile_structural_tag(tag)
+    import xgrammar
+
+    items = [xgrammar.StructuralTagItem(begin=s["begin"], schema=json.dumps(s.get("schema", {})), end=s["end"])
+             for s in tag.get("structures", ())]
+    return compiler.compile_structural_tag(items, list(tag.get("triggers", ())))
+
+
+class GuidedRequests:
+    """The engine's matchers, one per constrained request (by request id)."""
+
+    def __init__(self, grammars: GrammarCache):
+        self.grammars = grammars
+        self._matchers: dict[int, xgrammar.GrammarMatcher] = {}
+        self._batch: xgrammar.BatchGrammarMatcher | None = None
+
+    def __contains__(self, request_id: int) -> bool:
+        return request_id in self._matchers
+
+    def add(self, request_id: int, spec: GuidedSpec, stop_token_ids: frozenset[int]) -> None:
+        import xgrammar
+
+        compiled = self.grammars.get(spec)
+        if stop_token_ids:
+            matcher = xgrammar.GrammarMatcher(compiled, override_stop_tokens=sorted(stop_token_ids))
+        else:  # ignore_eos and no stop ids: the request ends where the grammar does
+            matcher = xgrammar.GrammarMatcher(compiled, terminate_without_stop_token=True)
+        self._matchers[request_id] = matcher
+
+    def remove(self, request_id: int) -> None:
+        self._matchers.pop(request_id, None)
+
+    def fill(self, request_ids: list[int]) -> TokenMask | None:
+        """The bitmask of the step's constrained rows (`request_ids`: the sampled rows' requests, in order); None
+        when none is constrained."""
+        rows = [i for i, request_id in enumerate(request_ids) if request_id in self._matchers]
+        if not rows:
+            return None
+        import xgrammar
+
+        bitmask = xgrammar.allocate_token_bitmask(len(rows), self.grammars.vocab_size)  # fresh: copied async
+        matchers = [self._matchers[request_ids[i]] for i in rows]
+        if len(matchers) == 1:
+            matchers[0].fill_next_token_bitmask(bitmask, 0)
+        else:
+            if self._batch is None:
+                self._batch = xgrammar.BatchGrammarMatcher()
+            self._batch.batch_fill_next_token_bitmask(matchers, bitmask)
+        return TokenMask(rows, bitmask)
+
+    def accept(self, request_id: int, token: int) -> tuple[bool, bool]:
+        """Advances the request's matcher by its sampled token: (accepted, the grammar has ended). An unconstrained
+        request: (True, False)."""
+        matcher = self._matchers.get(request_id)
+        if matcher is None:
+            return True, False
+        if not matcher.accept_token(token):
+            return False, False
+        return True, matcher.is_terminated()
+
