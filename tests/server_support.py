@@ -15,6 +15,7 @@ import httpx
 import uvicorn
 
 from hybrid.engine import EngineStats, StepOutput
+from hybrid.guided import GrammarCache
 from server import startup
 from server.app import GracefulServer, build_app, load_tokenizer
 from server.cli import main as serve_main
@@ -98,6 +99,8 @@ class ScriptedEngine:
         self.fail_steps = 0
         self.logprobs: tuple[float, tuple[tuple[int, float], ...]] | None = None  # (logprob, top) of every token
         self._next_id = 0
+        # grammars compile as with the real engine (an invalid one is the server's 400); the script ignores them
+        self.grammars = GrammarCache(TINY.vocab_size)
 
     def add_request(self, prompt_ids, params=None, max_tokens=16, stop_token_ids=None, ignore_eos=False) -> int:
         if len(prompt_ids) + max_tokens > self.max_model_len:
