@@ -37,10 +37,13 @@ class ModelRunner:
     def can_capture(llm) -> bool:
         """Decode as CUDA graphs where they can run: CUDA, the Triton attention kernels (the PyTorch attention
         loops over host lengths, which a graph would freeze), recurrent layers only on their kernels (the PyTorch
-        Gated DeltaNet loops over host lengths too), and `cuda_graph` left on."""
+        Gated DeltaNet loops over host lengths too), device experts only on the fused kernel, and `cuda_graph` left
+        on; otherwise every step runs eagerly."""
         cfg = llm.engine_config
         attention = llm.backends.attention
-        return (cfg.cuda_graph and cfg.is_cuda and attention.name == "triton"
+        # experts on the engine's device through the PyTorch reference (float32) pick their experts on the host
+        experts_ok = all(m.is_graph_safe for m in llm.model.modules() if hasattr(m, "is_graph_safe"))
+        return (cfg.cuda_graph and cfg.is_cuda and attention.name == "triton" and experts_ok
                 and (not llm.config.has_recurrent_layers or attention.has_linear_kernels))
 
     @classmethod

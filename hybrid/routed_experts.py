@@ -50,6 +50,11 @@ class RoutedExperts(TritonExperts):
     def has_cpu_part(self) -> bool:
         return self.cpu_experts is not None
 
+    @property
+    def is_graph_safe(self) -> bool:
+        """The CPU part goes through the graph hand-off; a GPU part must run on the fused kernel."""
+        return not self.gpu_expert_ids or self.w_gate_up is not None
+
     def _slots(self) -> torch.Tensor:
         slots = torch.full((self.num_experts,), -1, dtype=torch.int64, device="cpu")
         slots[list(self.gpu_expert_ids)] = torch.arange(len(self.gpu_expert_ids))

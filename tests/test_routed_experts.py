@@ -151,3 +151,15 @@ def test_a_model_has_one_routed_module_per_moe_layer_and_one_handoff(tmp_path):
     assert plain.cpu_handoff is None
     assert all(isinstance(m.experts, RoutedExperts) and not m.experts.has_cpu_part
                for m in plain.model.modules() if isinstance(m, SparseMoE))
+
+
+def test_graph_safety_follows_where_the_experts_run():
+    """A CUDA graph captures the CPU hand-off and the fused kernel, not the PyTorch reference (it picks the routed
+    experts on the host): the runner decodes eagerly where a layer's GPU part has no fused weights."""
+    assert split_layer((), CpuHandoff()).is_graph_safe  # CPU only: the graph hand-off
+    unfused = split_layer((1, 4), CpuHandoff())
+    assert not unfused.is_graph_safe
+    unfused.is_fused = True
+    unfused.fuse_gate_up()
+    assert unfused.is_graph_safe
+    assert not device_experts_factory(0, config()).is_graph_safe

@@ -137,6 +137,12 @@ class TritonExperts(TorchExperts):
         super().__init__(*args, **kwargs)
         self.w_gate_up: torch.Tensor | None = None
 
+    @property
+    def is_graph_safe(self) -> bool:
+        """Whether a CUDA graph can capture this module: the fused-MoE kernel runs from shapes alone, while the
+        PyTorch reference picks the routed experts on the host."""
+        return self.w_gate_up is not None
+
     def fuse_gate_up(self) -> None:
         if self.w_gate_up is not None:
             return

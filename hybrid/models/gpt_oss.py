@@ -91,6 +91,11 @@ class GptOssExperts(nn.Module):
         self.w_down_bias: torch.Tensor | None = None  # float32 [E, H]
         self.kernel_activation = None  # gpu_layers.fused_moe.Activation, once fused
 
+    @property
+    def is_graph_safe(self) -> bool:
+        """A CUDA graph can capture the fused kernel, not the PyTorch loop (it picks the experts on the host)."""
+        return self.w_gate_up is not None
+
     def fuse_gate_up(self) -> None:
         dtype = self.gate_up_proj.dtype
         if self.w_gate_up is not None or not self.ops.is_fused_gate_up or dtype not in (torch.bfloat16, torch.float16):
