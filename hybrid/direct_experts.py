@@ -19,7 +19,6 @@ are read by `native_experts.read_gpt_oss_layer` (with the biases and activation 
 from __future__ import annotations
 
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import torch
@@ -31,6 +30,7 @@ from cpu_experts.packed import PackedLayer
 from hybrid.checkpoint import Checkpoint
 from hybrid.native_experts import (
     ExpertFormat,
+    for_each_expert,
     gpt_oss_source,
     projection_parts,
     read_fused_layer,
@@ -127,10 +127,5 @@ def read_layer(ckpt: Checkpoint, model, layer: int, spec: ExpertLayerSpec, is_pa
                 target = tensors[f"{role}.{part}"][expert]
                 (target if target.dim() == 0 else target[first:first + tensor.shape[0]]).copy_(tensor)
 
-    if num_threads == 1:
-        for expert in range(spec.num_experts):
-            one_expert(expert)
-    else:
-        with ThreadPoolExecutor(min(num_threads, spec.num_experts)) as pool:
-            list(pool.map(one_expert, range(spec.num_experts)))  # list(): re-raises a worker's error
+    for_each_expert(one_expert, spec.num_experts, num_threads)
     return tensors

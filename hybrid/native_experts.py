@@ -182,13 +182,19 @@ def read_fused_layer(ckpt: Checkpoint, prefix: str, spec: ExpertLayerSpec, check
             for part, tensor in quantize_matrix(weight.float(), spec).items():
                 tensors[f"{role}.{part}"][expert].copy_(tensor)
 
-    if num_threads == 1:
-        for expert in range(spec.num_experts):
-            one_expert(expert)
-    else:
-        with ThreadPoolExecutor(min(num_threads, spec.num_experts)) as pool:
-            list(pool.map(one_expert, range(spec.num_experts)))  # list(): re-raises a worker's error
+    for_each_expert(one_expert, spec.num_experts, num_threads)
     return tensors
+
+
+def for_each_expert(fill: Callable[[int], None], num_experts: int, num_threads: int) -> None:
+    """fill(expert) for every expert, `num_threads` at a time (torch's ops release the GIL); a worker's error is
+    raised here."""
+    if num_threads == 1:
+        for expert in range(num_experts):
+            fill(expert)
+        return
+    with ThreadPoolExecutor(min(num_threads, num_experts)) as pool:
+        list(pool.map(fill, range(num_experts)))  # list(): re-raises a worker's error
 
 
 def gpt_oss_source(ckpt: Checkpoint, prefix: str) -> SourceFormat | None:

@@ -61,6 +61,19 @@ class RunningServer:
         return float(match.group(1))
 
 
+def engine_server(model_dir: Path, max_model_len: int, **config):
+    """The server over a real engine on the CPU (float32, 256-token steps, 64 requests at once) -> (server, llm);
+    `server.engine` is the engine. The caller stops the server, then closes the llm."""
+    from hybrid.engine import Engine
+    from hybrid.llm import LLM
+
+    llm = LLM(model_dir, device="cpu", dtype="float32", max_model_len=max_model_len)
+    engine = Engine(llm, max_num_batched_tokens=256, max_num_seqs=64)
+    running = start_server(engine, model_dir, llm.max_model_len, **config)
+    running.engine = engine
+    return running, llm
+
+
 def start_server(engine, model_dir: Path, max_model_len: int, grace_seconds: float | None = None,
                  **config) -> RunningServer:
     config = ServerConfig(model=str(model_dir), **config)

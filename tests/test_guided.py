@@ -13,7 +13,7 @@ import jsonschema
 import openai
 import pytest
 import torch
-from server_support import API_KEY, TINY, start_server
+from server_support import API_KEY, TINY, engine_server
 
 from hybrid.engine import Engine
 from hybrid.guided import GrammarCache
@@ -75,9 +75,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    llm = LLM(model_dir, device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN)
-    engine = Engine(llm, max_num_batched_tokens=256, max_num_seqs=64)
-    running = start_server(engine, model_dir, llm.max_model_len, api_key=API_KEY, served_model_name="tiny")
+    running, llm = engine_server(model_dir, MAX_MODEL_LEN, api_key=API_KEY, served_model_name="tiny")
     yield running
     running.stop()
     llm.close()

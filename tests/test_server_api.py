@@ -11,10 +11,8 @@ import time
 import httpx
 import openai
 import pytest
-from server_support import API_KEY, start_server, tiny_model
+from server_support import API_KEY, engine_server, tiny_model
 
-from hybrid.engine import Engine
-from hybrid.llm import LLM
 from server import loadtest
 from server.app import load_tokenizer
 
@@ -29,10 +27,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    llm = LLM(model_dir, device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN)
-    engine = Engine(llm, max_num_batched_tokens=256, max_num_seqs=64)
-    running = start_server(engine, model_dir, llm.max_model_len, api_key=API_KEY, served_model_name="tiny")
-    running.engine = engine
+    running, llm = engine_server(model_dir, MAX_MODEL_LEN, api_key=API_KEY, served_model_name="tiny")
     yield running
     running.stop()
     llm.close()
