@@ -250,6 +250,22 @@ class RawConfig:
         return value
 
 
+# Keys that a multimodal wrapper's config.json may set for the whole model; where present they win over text_config's
+# (transformers reads the wrapper's; `hybrid-convert --gpu-quant` records its quantization there).
+WRAPPER_KEYS = ("quantization_config", "tie_word_embeddings", "eos_token_id")
+
+
+def wrapped_text_config(raw: RawConfig, text_model: str) -> RawConfig:
+    """The text model's settings of a multimodal wrapper's config.json (Kimi-K2.5, Qwen3.5), named by the wrapper's
+    architecture; `text_model` says what they are, in the error of a config without them."""
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise raw.error(f"missing 'text_config' ({text_model})")
+    data = dict(text, architectures=raw.get("architectures"))
+    data.update({key: raw.get(key) for key in WRAPPER_KEYS if raw.has(key)})
+    return RawConfig(data, f"{raw.source}: text_config")
+
+
 def read_config_json(path: str | Path) -> RawConfig:
     """Reads `config.json` from a checkpoint directory (or the file itself)."""
     path = Path(path)

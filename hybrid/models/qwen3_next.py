@@ -34,6 +34,7 @@ from hybrid.config import (
     common_fields,
     gqa_attention,
     parse_rope,
+    wrapped_text_config,
 )
 from hybrid.errors import HybridError
 from hybrid.layers.backends import Backends
@@ -46,8 +47,6 @@ log = logging.getLogger(__name__)
 LINEAR, FULL = "linear_attention", "full_attention"
 DEFAULT_FULL_INTERVAL = 4
 DEFAULT_PARTIAL_ROTARY = 0.25
-# Keys the Qwen3.5 wrapper's config.json may set for the whole model (they win over text_config's)
-WRAPPER_KEYS = ("quantization_config", "tie_word_embeddings", "eos_token_id")
 FUSED_EXPERT_SUFFIX = ".mlp.experts.gate_up_proj"
 
 
@@ -169,15 +168,6 @@ class Qwen3_5MoeForCausalLM(Qwen3NextForCausalLM):
         return True
 
 
-def text_config(raw: RawConfig) -> RawConfig:
-    """The text model's settings of a Qwen3.5 wrapper config.json, named by the wrapper's architecture."""
-    text = raw.get("text_config")
-    if not isinstance(text, dict):
-        raise raw.error("missing 'text_config' (the text model's settings, as Qwen3.5 publishes them)")
-    data = dict(text, architectures=raw.get("architectures"))
-    data.update({key: raw.get(key) for key in WRAPPER_KEYS if raw.has(key)})
-    return RawConfig(data, f"{raw.source}: text_config")
-
 
 class Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeForCausalLM):
     """The released Qwen3.5/3.6-MoE: text weights under `model.language_model.*`, served as text only."""
@@ -186,7 +176,8 @@ class Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeForCausalLM):
 
     @classmethod
     def parse_config(cls, raw: RawConfig, checkpoint_dir=None) -> ModelConfig:
-        config = super().parse_config(text_config(raw), checkpoint_dir)
+        text = wrapped_text_config(raw, "the text model's settings, as Qwen3.5 publishes them")
+        config = super().parse_config(text, checkpoint_dir)
         if raw.has("vision_config"):
             log.warning("%s: the Qwen3.5 vision tower (model.visual.*) is not loaded: image and video inputs are not "
                         "supported, text only", raw.source)
