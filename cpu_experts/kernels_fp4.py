@@ -159,9 +159,9 @@ def _store_act(act_even, act_odd, p, i, rows, value):
 @njit(**BODY, inline="always")
 def gate_up_rows_mxfp4(lo, hi, experts, offsets, pair_token, gate, gate_s, up, up_s, x_even, x_odd, epilogue,
                        act_even, act_odd):
-    """Work items lo..hi, item r = (routed expert u, row i) = divmod(r, I): act[p, i] = silu(gate . x_t) *
-    (up . x_t), bf16, for u's pairs p. The intrinsics are called here directly (a numba-level helper per row cost
-    its array copies' reference counts)."""
+    """Work items lo..hi, item r = (routed expert u, row i) = divmod(r, I): act[p, i] = activation(gate . x_t,
+    up . x_t) (`kernels.activation`: silu(g) * v or the layer's epilogue), bf16, for u's pairs p. The intrinsics
+    are called here directly (a numba-level helper per row cost its array copies' reference counts)."""
     rows = gate.shape[1]
     r = lo
     while r < hi:

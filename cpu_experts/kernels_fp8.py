@@ -267,8 +267,8 @@ def decode_fp8(x, experts, offsets, pair_token, pair_weight, gate, gate_s, up, u
 
 @njit(**BODY, inline="always")
 def gate_up_rows_fp8(lo, hi, experts, offsets, pair_token, gate, gate_s, up, up_s, x, group_h, epilogue, act):
-    """Work items lo..hi, item r = (routed expert u, row i) = divmod(r, I): act[p, i] = bf16(silu(gate . x_t) *
-    (up . x_t)) for u's pairs p."""
+    """Work items lo..hi, item r = (routed expert u, row i) = divmod(r, I): act[p, i] = bf16(activation(gate . x_t,
+    up . x_t)) (`kernels.activation`: silu(g) * v or the layer's epilogue) for u's pairs p."""
     rows = gate.shape[1]
     full, has_tail = row_layout(gate.shape[2], group_h)
     r = lo

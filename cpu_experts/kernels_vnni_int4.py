@@ -315,9 +315,10 @@ def decode_int4(x, experts, offsets, pair_token, pair_weight, gate, gate_s, up, 
 @njit(fastmath=True, cache=True, inline="always")
 def gate_up_rows_int4(lo, hi, experts, offsets, pair_token, gate, gate_s, up, up_s, x_even, x_odd, x_corr, x_scale,
                       group_h, epilogue, act):
-    """Work items lo..hi, item r = (routed expert u, row i) = divmod(r, I): act[p, i] = silu(gate . x_t) *
-    (up . x_t) for u's pairs p. The intrinsics are called here directly: through a numba-level helper, every row
-    paid for the helper's array copies (reference counts) and the tail's call, half again its loop's time."""
+    """Work items lo..hi, item r = (routed expert u, row i) = divmod(r, I): act[p, i] = activation(gate . x_t,
+    up . x_t) (`kernels.activation`: silu(g) * v or the layer's epilogue) for u's pairs p. The intrinsics are
+    called here directly: through a numba-level helper, every row paid for the helper's array copies (reference
+    counts) and the tail's call, half again its loop's time."""
     rows = gate.shape[1]
     units, full, half = row_layout(gate.shape[2], group_h)
     has_tail = full < gate_s.shape[2]

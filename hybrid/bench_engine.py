@@ -96,7 +96,7 @@ def hot_call_seconds(llm: LLM, engine: Engine, num_tokens: int, repeats: int = 5
     back: the kernels' own speed with warm threads (and the layer's weights partly in cache), to set against the
     in-engine time per call, which pays the threads' wake-up after each GPU stretch."""
     module = next((m for m in llm.model.modules() if isinstance(m, CpuExperts) and m.op is not None), None)
-    source = engine.graph_runner.worker if engine.graph_runner is not None else llm.cpu_executor
+    source = engine.runner.graphs.worker if engine.runner.graphs is not None else llm.cpu_executor
     if module is None or source is None:
         return None
     inputs = [b[:num_tokens].clone() for b in (source.hidden_buffer, source.ids_buffer, source.weights_buffer)]
@@ -190,7 +190,7 @@ def _measure_decode(engine: Engine, llm: LLM, args, timer: CpuExpertsTimer) -> d
     call in the engine and repeated, and the GPU-alone step."""
     vocab = llm.config.vocab_size
     prompts = [torch.randint(vocab, (DECODE_PROMPT_TOKENS,)).tolist() for _ in range(args.batch)]
-    runner = engine.graph_runner
+    runner = engine.runner.graphs
     replays = runner.num_replays if runner else 0
     start = _graph_serving(engine)
     seconds, step_seconds, tokens = _decode(engine, prompts, args.tokens + 1, timer)
@@ -210,7 +210,7 @@ def _measure_decode(engine: Engine, llm: LLM, args, timer: CpuExpertsTimer) -> d
 def _graph_serving(engine: Engine) -> tuple[float, float, int]:
     """Totals so far of graph steps' CPU side: seconds waiting for the GPU (worker and pool), and the pool's compute
     seconds and layers (the worker's compute goes through the modules, which `timer` counts)."""
-    runner, pool = engine.graph_runner, _decode_pool(engine)
+    runner, pool = engine.runner.graphs, _decode_pool(engine)
     waited = runner.worker.wait_seconds if runner is not None and runner.worker is not None else 0.0
     if pool is None:
         return waited, 0.0, 0
@@ -227,7 +227,7 @@ def _read_bandwidth(engine: Engine) -> ReadBandwidth:
 
 
 def _decode_pool(engine: Engine) -> DecodePool | None:
-    return engine.graph_runner.pool if engine.graph_runner is not None else None
+    return engine.runner.graphs.pool if engine.runner.graphs is not None else None
 
 
 def _measure_prefill(engine: Engine, llm: LLM, args, timer: CpuExpertsTimer) -> dict:
@@ -312,7 +312,7 @@ def run(args) -> dict:
     if streamed_bytes is not None:  # the experts cross the link instead: its time is the floor
         bound_s = streamed_bytes / link_bw
     return {"mode": args.mode, "model": str(path), "device": config.device, "batch": args.batch,
-            "cuda_graph": engine.graph_runner is not None, "decode_pool": _decode_pool(engine) is not None,
+            "cuda_graph": engine.runner.graphs is not None, "decode_pool": _decode_pool(engine) is not None,
             "gpu_experts": llm.num_gpu_experts,
             "tokens_per_s": m["tokens"] / m["seconds"], "step_ms": step_s * 1e3, "steps": steps,
             "graph_steps": m["graph_steps"], "step_p50_ms": step_times[len(step_times) // 2] * 1e3,

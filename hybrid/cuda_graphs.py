@@ -66,6 +66,7 @@ class CudaGraphRunner:
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=self.device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=self.device)
         # recurrent layers' state slots (-1: a padding row, which the decode kernels skip); every row resumes
+        self.has_recurrent_layers = llm.config.has_recurrent_layers
         self.state_slots = torch.full((n,), -1, dtype=torch.int32, device=self.device)
         self.has_initial_state = torch.ones(n, dtype=torch.bool, device=self.device)
         self.cpu_modules = [m for m in self.model.modules() if isinstance(m, CpuExperts)]
@@ -179,7 +180,7 @@ class CudaGraphRunner:
             width = self.block_tables[group].shape[1]
             self.block_tables[group][:size].copy_(torch.tensor(padded(tables + [[]] * num_pad, width),
                                                                dtype=torch.int32))
-        if inputs.state_slots:
+        if self.has_recurrent_layers:
             self.state_slots[:size].copy_(torch.tensor(inputs.state_slots + [-1] * num_pad, dtype=torch.int32))
         if self.handoff is not None:
             self.handoff.valid_rows[:size].copy_(torch.arange(size)[:, None] < num_seqs)

@@ -86,11 +86,6 @@ class Engine:
         self._guided = GuidedRequests(self.grammars)
         llm.attach_engine(self)
 
-    @property
-    def graph_runner(self):
-        """The runner's captured decode graphs (`hybrid.cuda_graphs.CudaGraphRunner`), or None."""
-        return self.runner.graphs
-
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None, max_tokens: int = 16,
                     stop_token_ids: list[int] | None = None, ignore_eos: bool = False, stop: tuple[str, ...] = (),
                     skip_special_tokens: bool = True) -> int:

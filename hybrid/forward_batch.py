@@ -135,6 +135,7 @@ class ForwardBatch:
         def ints(values, dtype):
             return torch.tensor(values, dtype=dtype, device=device)
 
+        has_slots = any(slot >= 0 for slot in inputs.state_slots)
         return cls(
             positions=ints(inputs.positions, torch.int64),
             slot_mappings=tuple(ints(s, torch.int64) for s in inputs.slot_mappings),
@@ -144,8 +145,9 @@ class ForwardBatch:
             block_size=block_size,
             seq_lens_cpu=inputs.seq_lens,
             query_lens_cpu=inputs.query_lens,
-            state_slots=ints(inputs.state_slots, torch.int32),
-            has_initial_state=ints(inputs.has_initial_state, torch.bool),
+            # on the device only where a sequence holds a slot (a model with recurrent layers)
+            state_slots=ints(inputs.state_slots, torch.int32) if has_slots else None,
+            has_initial_state=ints(inputs.has_initial_state, torch.bool) if has_slots else None,
             state_slots_cpu=inputs.state_slots,
             has_initial_state_cpu=inputs.has_initial_state,
         )

@@ -358,6 +358,6 @@ def test_gpt_oss_graph_engine_matches_eager_with_window_groups(tmp_path):
             engine.step()
             poison_free_windowed_pages(llm)
         outputs[is_graph] = [engine.requests[i].output_ids for i in ids]
-        assert (engine.graph_runner is not None and engine.graph_runner.num_replays > 0) == is_graph
+        assert (engine.runner.graphs is not None and engine.runner.graphs.num_replays > 0) == is_graph
         engine.close()
     assert outputs[True] == outputs[False]

@@ -60,7 +60,7 @@ def test_mixed_layers_graph_engine_generates_what_the_eager_engine_generates(mix
 def check_replay_equals_eager(path):
     llm = LLM(path, device="cuda", dtype="bfloat16", max_model_len=256)
     engine = Engine(llm, max_num_seqs=4)
-    runner = engine.graph_runner
+    runner = engine.runner.graphs
     assert runner is not None and sorted(runner.graphs) == [1, 2, 4]
     pool = runner.pool  # serves the replays; the eager steps go through the executor's worker and CpuMoE
     assert pool is not None
@@ -96,7 +96,7 @@ def test_graph_engine_generates_what_the_eager_engine_generates(converted):
     for is_graph in (False, True):
         llm = LLM(converted, device="cuda", dtype="float32", max_model_len=256, cuda_graph=is_graph)
         engine = Engine(llm, max_num_batched_tokens=32, max_num_seqs=4)  # chunked prefill beside decodes
-        assert (engine.graph_runner is not None) == is_graph
+        assert (engine.runner.graphs is not None) == is_graph
         outputs[is_graph] = engine.generate(prompts, max_tokens=24, ignore_eos=True)
         engine.close()
     assert outputs[True] == outputs[False]
@@ -127,7 +127,7 @@ def test_deferred_experts_inside_the_graph(converted):
                   defer_experts=1)
         engine = Engine(llm, max_num_seqs=2)
         if is_graph:
-            assert engine.graph_runner.num_requests > len(engine.graph_runner.cpu_modules)
+            assert engine.runner.graphs.num_requests > len(engine.runner.graphs.cpu_modules)
         outputs[is_graph] = engine.generate([prompt(7, seed=3), prompt(12, seed=4)], max_tokens=16, ignore_eos=True)
         engine.close()
     assert outputs[True] == outputs[False]
