@@ -66,10 +66,11 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
 
 def causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sliding_window: int | None = None,
-    sinks: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None, allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [n, Hq, D] are the last n of L positions; k [L, Hkv, D], v [L, Hkv, Dv] -> [n, Hq, Dv]. `sinks` [Hq]: one
-    more logit per head in the softmax, whose probability is dropped (gpt-oss's eager attention)."""
+    more logit per head in the softmax, whose probability is dropped (gpt-oss's eager attention). `allowed` [n, L]
+    bool: the keys each query may see besides the causal mask (a sparse-attention selection)."""
     n, num_q_heads, _ = q.shape
     length, num_kv_heads, _ = k.shape
     group = num_q_heads // num_kv_heads
@@ -81,6 +82,8 @@ def causal_attention(
     masked = k_pos > q_pos
     if sliding_window is not None:
         masked |= k_pos <= q_pos - sliding_window
+    if allowed is not None:
+        masked = masked | ~allowed
     scores = scores.masked_fill(masked, float("-inf"))
     if sinks is not None:
         sink_column = sinks.to(scores.dtype)[:, None, None].expand(num_q_heads, n, 1)
@@ -130,11 +133,13 @@ def mla_paged_attention(
     query_lens: list[int],
     scale: float,
     v_head_dim: int,
+    selected: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Multi-head latent attention over a compressed cache, by expanding the latents (no weight absorption).
 
     q_nope [T, H, Dn], q_rope [T, H, Dr]; latent_cache [num_blocks, block_size, 1, R + Dr] holds the normalised
-    kv latent (R) and the rotated shared key (Dr); w_kv_b [H * (Dn + Dv), R]. Returns [T, H, Dv].
+    kv latent (R) and the rotated shared key (Dr); w_kv_b [H * (Dn + Dv), R]. Returns [T, H, Dv]. `selected`
+    [T, K] int32: sparse attention (DSA), token t attends only to the positions listed in its row (-1: none).
     """
     num_heads, nope_dim = q_nope.shape[1], q_nope.shape[2]
     rank = latent_cache.shape[-1] - q_rope.shape[-1]
@@ -148,7 +153,13 @@ def mla_paged_attention(
         k_rope = latent[:, None, rank:].expand(seq_len, num_heads, -1)
         k = torch.cat((k_nope, k_rope), dim=-1)
         end = start + query_len
-        out[start:end] = causal_attention(q[start:end], k, v, scale)
+        allowed = None
+        if selected is not None:
+            rows = selected[start:end].long()
+            allowed = torch.zeros(query_len, seq_len + 1, dtype=torch.bool, device=q.device)
+            allowed.scatter_(1, torch.where(rows < 0, seq_len, rows), True)  # -1 goes to a dropped column
+            allowed = allowed[:, :seq_len]
+        out[start:end] = causal_attention(q[start:end], k, v, scale, allowed=allowed)
         start = end
     return out
 
