@@ -37,6 +37,22 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class IndexerConfig:
+    """DeepSeek Sparse Attention's lightning indexer in front of an MLA layer (DeepSeek-V3.2, GLM-5): it scores
+    every visible cached token with a small multi-head ReLU attention and the layer attends only to the best
+    `topk` (`gpu_layers.dsa_reference` has the math). Its key (head_dim) is cached per token beside the latent."""
+
+    num_heads: int
+    head_dim: int
+    topk: int
+    # RoPE on the first qk_rope_head_dim dims of q and k: pairs (GLM-5) or halves (DeepSeek-V3.2), each as its
+    # reference does; the frequencies are the layer's
+    is_rope_interleaved: bool
+    # GLM-5.2's "shared" layers reuse the previous full indexer layer's selection: no weights, no key cache
+    is_shared: bool = False
+
+
+@dataclass(frozen=True)
 class AttentionConfig:
     kind: str  # "gqa" or "mla"
     num_heads: int
@@ -62,6 +78,7 @@ class AttentionConfig:
     kv_lora_rank: int = 0
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
+    indexer: IndexerConfig | None = None  # DSA (MLA only): attend to the indexer's top-k tokens, not all of them
 
 
 @dataclass(frozen=True)

@@ -126,6 +126,16 @@ class ForwardBatch:
     def num_tokens(self) -> int:
         return sum(self.query_lens_cpu)
 
+    def token_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per token of the step: its sequence (block-table row) and how many context tokens it sees (its position
+        + 1), both [T] int32: the rows of DSA's indexer and sparse attention. Computed on the device without a sync,
+        and not cached: a graph's warm-up and capture run the same batch object, and the replay must recompute."""
+        num_seqs = self.num_seqs
+        seq_ids = torch.arange(num_seqs, dtype=torch.int32, device=self.positions.device)
+        if self.num_tokens != num_seqs:  # else one token per sequence: row b is sequence b
+            seq_ids = torch.repeat_interleave(seq_ids, self.query_start_loc.diff(), output_size=self.num_tokens)
+        return seq_ids, (self.positions + 1).to(torch.int32)
+
     def last_token_indices(self) -> torch.Tensor:
         """[B] index of each sequence's last token in the flattened step (where its next token is sampled)."""
         return self.query_start_loc[1:].long() - 1

@@ -447,9 +447,11 @@ FP8_QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_sch
 
 def is_fp8_quantized_name(name: str, tensor: torch.Tensor) -> bool:
     """The tensors that released DeepSeek-V3 (and MiniMax-M2) FP8 checkpoints store in FP8: every 2-D Linear weight of
-    attention, dense MLPs, shared and routed experts; not embeddings, lm_head, norms or the router (`*.gate`)."""
+    attention, dense MLPs, shared and routed experts; not embeddings, lm_head, norms, the router (`*.gate`) or the DSA
+    indexer's head weights (`indexer.weights_proj`, 16-bit in DeepSeek-V3.2's and GLM-5's releases)."""
     return (tensor.dim() == 2 and name.endswith(".weight") and ".layers." in name and "norm" not in name
-            and not name.endswith(".gate.weight") and "embed_tokens" not in name)
+            and not name.endswith(".gate.weight") and "embed_tokens" not in name
+            and not name.endswith("indexer.weights_proj.weight"))
 
 
 def write_config(path, update: dict | None = None, remove: tuple[str, ...] = ()) -> dict:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from gpu_layers import reference
+from gpu_layers import dsa_reference, reference
 from hybrid.config import AttentionConfig, LinearAttentionConfig, ModelConfig
 from hybrid.forward_batch import ForwardBatch
 from hybrid.layers.delta_net import torch_causal_conv1d, torch_gated_delta_rule
@@ -80,13 +80,29 @@ class TorchAttentionBackend(_TorchGatedDeltaNet):
         batch: ForwardBatch,
         scale: float,
         v_head_dim: int,
+        selected: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """`selected` [T, topk] int32: each token attends to these positions only (DSA), None: to all."""
         (latent_cache,) = kv_cache
         reference.write_kv_cache(latent_cache, latent.unsqueeze(1), batch.slot_mapping)
         return reference.mla_paged_attention(
             q_nope, q_rope, latent_cache, w_kv_b, batch.block_tables, batch.seq_lens_cpu, batch.query_lens_cpu,
-            scale, v_head_dim,
+            scale, v_head_dim, selected,
         )
+
+    def dsa_select(self, q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
+                   batch: ForwardBatch, scale: float, topk: int) -> torch.Tensor | None:
+        """DSA's indexer: caches k [T, Di], then scores q [T, Hi, Di] with head weights [T, Hi] (float32) against
+        each token's visible keys -> [T, topk] int32 positions, -1 padded (`gpu_layers.dsa_reference`); None when
+        every sequence of the step fits in topk (the selection would be every visible token: dense attention)."""
+        reference.write_kv_cache(index_cache, k.unsqueeze(1), batch.slot_mapping)
+        max_context = max(batch.seq_lens_cpu)
+        if max_context <= topk:
+            return None
+        row_seq, row_limit = batch.token_rows()
+        scores = dsa_reference.index_scores(q, weights, index_cache, batch.block_tables, row_seq, row_limit, scale,
+                                            max_context)
+        return dsa_reference.select_topk(scores, row_limit, topk)
 
 
 def _zero_fresh_slots(pool: torch.Tensor, batch: ForwardBatch) -> None:
@@ -167,10 +183,29 @@ class TritonAttentionBackend(_TorchGatedDeltaNet):
         return delta_net.gated_delta_rule_prefill(q, k, v, g, beta, batch.query_start_loc, state_pool,
                                                   batch.state_slots, batch.has_initial_state, scale)
 
+    def dsa_select(self, q, k, weights, index_cache, batch: ForwardBatch, scale: float,
+                   topk: int) -> torch.Tensor | None:
+        from gpu_layers import dsa
+
+        self.kv_cache.write_kv_cache(index_cache, k.unsqueeze(1), batch.slot_mapping)
+        # a captured decode step sees max_model_len here: it always selects, whatever the replayed lengths
+        max_context = max(batch.seq_lens_cpu)
+        if max_context <= topk:
+            return None
+        row_seq, row_limit = batch.token_rows()
+        return dsa.index_topk(q, weights, index_cache, batch.block_tables, row_seq, row_limit, scale, max_context,
+                              topk)
+
     def mla(self, q_nope, q_rope, latent, kv_cache, w_kv_b, batch: ForwardBatch, scale: float,
-            v_head_dim: int) -> torch.Tensor:
+            v_head_dim: int, selected: torch.Tensor | None = None) -> torch.Tensor:
         (latent_cache,) = kv_cache
         self.kv_cache.write_kv_cache(latent_cache, latent.unsqueeze(1), batch.slot_mapping)
+        if selected is not None:
+            from gpu_layers import mla_sparse
+
+            row_seq, _ = batch.token_rows()
+            return mla_sparse.mla_sparse(q_nope, q_rope, latent_cache, w_kv_b, batch.block_tables, row_seq, selected,
+                                         scale, v_head_dim)
         if max(batch.query_lens_cpu) == 1:
             return self.mla_kernels.mla_decode(q_nope, q_rope, latent_cache, w_kv_b, batch.block_tables,
                                                batch.seq_lens, scale, v_head_dim)

@@ -11,6 +11,7 @@ from hybrid.config import ModelConfig, architecture_of, read_config_json
 from hybrid.errors import ConfigError
 from hybrid.models.base import MoECausalLM
 from hybrid.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from hybrid.models.deepseek_v32 import DeepseekV32ForCausalLM, GlmMoeDsaForCausalLM
 from hybrid.models.glm4_moe import Glm4MoeForCausalLM
 from hybrid.models.glm4_moe_lite import Glm4MoeLiteForCausalLM
 from hybrid.models.gpt_oss import GptOssForCausalLM
@@ -27,6 +28,8 @@ MODEL_REGISTRY: dict[str, type[MoECausalLM]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,  # also Kimi-K2
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV32ForCausalLM": DeepseekV32ForCausalLM,  # DeepSeek-V3.2-Exp, V3.2, V3.2-Speciale
+    "GlmMoeDsaForCausalLM": GlmMoeDsaForCausalLM,  # GLM-5, 5.1, 5.2
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "Glm4MoeLiteForCausalLM": Glm4MoeLiteForCausalLM,  # GLM-4.7-Flash
     "KimiK25ForConditionalGeneration": KimiK25ForConditionalGeneration,  # Kimi-K2.5 / K2.6 (the Hub's spelling)

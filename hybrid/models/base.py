@@ -18,7 +18,7 @@ from hybrid.forward_batch import ForwardBatch
 from hybrid.layers.attention import GQAAttention
 from hybrid.layers.backends import Backends
 from hybrid.layers.delta_net import GatedDeltaNet
-from hybrid.layers.mla import MLAAttention
+from hybrid.layers.mla import MLAAttention, SharedSelection
 from hybrid.layers.mlp import GatedMLP
 from hybrid.layers.moe import ExpertDeferral, SparseMoE
 from hybrid.layers.norm import OffsetRMSNorm, RMSNorm
@@ -62,6 +62,9 @@ class MoECausalLM(nn.Module):
         moe_layers = config.moe_layer_indices
         self.deferral = ExpertDeferral(backends.defer_experts) if backends.defer_experts and moe_layers else None
         self._last_moe_layer = moe_layers[-1] if moe_layers else -1
+        # DSA: the selection GLM-5.2's shared layers take from the full indexer layer before them
+        self.shared_selection = SharedSelection() if any(
+            spec.attention.indexer is not None for spec in config.layers) else None
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         rotaries: dict = {}  # one RotaryEmbedding per distinct RoPE: layers of one kind share its tables
@@ -96,7 +99,7 @@ class MoECausalLM(nn.Module):
         if spec.linear is not None:
             return GatedDeltaNet(spec.linear, cfg.hidden_size, backends.attention)
         if spec.attention.kind == "mla":
-            return MLAAttention(spec.attention, cfg.hidden_size, rotary, backends.attention)
+            return MLAAttention(spec.attention, cfg.hidden_size, rotary, backends.attention, self.shared_selection)
         return GQAAttention(spec.attention, cfg.hidden_size, cfg.rms_norm_eps, rotary, backends.attention,
                             OffsetRMSNorm if cfg.has_offset_norms else RMSNorm)
 

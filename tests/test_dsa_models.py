@@ -1,0 +1,268 @@
+"""DeepSeek Sparse Attention models against transformers' own modeling files: DeepSeek-V3.2
+(`DeepseekV32ForCausalLM`, the indexer's rope in halves) and GLM-5 (`GlmMoeDsaForCausalLM`, interleaved, qk_nope
+and v_head of other sizes), the GLM one with GLM-5.2's shared indexer layers. The tiny checkpoints are what
+`save_pretrained` writes (the released names: `self_attn.indexer.{wq_b,wk,k_norm,weights_proj}`).
+
+index_topk (16) is smaller than most prompts, so the indexer's selection decides the attention: transformers' own
+logits move when top-k grows (checked), and ours follow. Top-k ties: our scores sum in another order than
+transformers' (float32, about 1e-7 apart), so a selection could flip where two scores at the k-th place are that
+close, and exact ties come from rows where every head's ReLU is zero for several keys (likelier with few heads,
+hence 16). `selection_margins` measures every boundary gap of the prompts these tests use: the seeds are ones where
+none is below 1e-5 of the row's largest score.
+
+Checked: float32 prefill logits (1, 7, 33 and 200 tokens) within 1e-4 of max |logit| and 32 greedy tokens on the
+CPU path and through the Triton kernels (under the interpreter without a GPU); the config in both GLM spellings
+of the indexer schedule; batching with chunked prefill, prefix-cache hits and preemption give each request's solo
+tokens (the index-key cache is part of the layer's pages); the FP8 release's layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+import pytest
+import torch
+import transformers
+from checkpoints import build_model, hf_generate, hf_logits, prompt
+from test_fp8_checkpoint import REL_TOL, build_fp8_checkpoint
+from test_models_parity import assert_logits_close, assert_same_tokens
+
+from gpu_layers import dsa_reference
+from hybrid import LLM
+from hybrid.engine import Engine
+from hybrid.errors import ConfigError
+from hybrid.models import load_model_config
+
+transformers.logging.set_verbosity_error()
+
+TOPK = 16
+PROMPT_LENS = (1, 7, 33, 200)
+NUM_GREEDY = 32
+MAX_MODEL_LEN = 320
+GLM_INDEXER_TYPES = ["full", "shared", "full", "shared"]
+COMMON = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+    topk_group=1, q_lora_rank=48, kv_lora_rank=32, qk_rope_head_dim=16, index_topk=TOPK, index_head_dim=32,
+    index_n_heads=16, first_k_dense_replace=1, max_position_embeddings=512, bos_token_id=0, eos_token_id=1,
+)
+ARCHS = {
+    "v32": ("DeepseekV32Config", dict(qk_nope_head_dim=24, v_head_dim=32), 11),
+    "glm": ("GlmMoeDsaConfig", dict(qk_nope_head_dim=40, v_head_dim=48, indexer_types=GLM_INDEXER_TYPES), 12),
+}
+
+
+def dsa_config(arch: str, **overrides):
+    name, extra, _ = ARCHS[arch]
+    return getattr(transformers, name)(**(COMMON | extra | overrides))
+
+
+@pytest.fixture(scope="module", params=list(ARCHS))
+def dsa(request, tmp_path_factory):
+    arch = request.param
+    model = build_model(dsa_config(arch), seed=ARCHS[arch][2])
+    path = tmp_path_factory.mktemp(arch)
+    model.save_pretrained(path)
+    llm = LLM(path, dtype="float32", expert_placement="device", max_model_len=MAX_MODEL_LEN, max_num_seqs=4)
+    return arch, path, model, llm
+
+
+class _MarginRecorder:
+    """Stands in for an indexer's backend: runs it, then records the row's gap between the k-th and (k+1)-th best
+    reference score over its largest |score| (rows with more than k visible tokens)."""
+
+    def __init__(self, backend, margins: list[float]):
+        self.backend, self.margins = backend, margins
+
+    def dsa_select(self, q, k, weights, index_cache, batch, scale, topk):
+        selected = self.backend.dsa_select(q, k, weights, index_cache, batch, scale, topk)
+        row_seq, row_limit = batch.token_rows()
+        scores = dsa_reference.index_scores(q, weights, index_cache, batch.block_tables, row_seq, row_limit, scale,
+                                            max(batch.seq_lens_cpu))
+        for row, limit in zip(scores, row_limit.tolist(), strict=True):
+            if limit > topk:
+                best = row[:limit].topk(topk + 1).values
+                self.margins.append(float((best[-2] - best[-1]) / best.abs().max()))
+        return selected
+
+
+@contextlib.contextmanager
+def selection_margins(llm):
+    margins: list[float] = []
+    indexers = [m for m in llm.model.modules() if type(m).__name__ == "Indexer"]
+    saved = [m.backend for m in indexers]
+    for indexer in indexers:
+        indexer.backend = _MarginRecorder(indexer.backend, margins)
+    try:
+        yield margins
+    finally:
+        for indexer, backend in zip(indexers, saved, strict=True):
+            indexer.backend = backend
+
+
+def test_checkpoint_is_the_released_layout(dsa):
+    arch, path, _, llm = dsa
+    from safetensors.torch import load_file
+
+    names = set(load_file(str(path / "model.safetensors")))
+    for part in ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight"):
+        assert f"model.layers.0.self_attn.indexer.{part}" in names
+    assert ("model.layers.1.self_attn.indexer.wk.weight" in names) == (arch == "v32")  # GLM: layer 1 is shared
+    specs = llm.config.layers
+    expected = GLM_INDEXER_TYPES if arch == "glm" else ["full"] * 4
+    assert ["shared" if s.attention.indexer.is_shared else "full" for s in specs] == expected
+    assert {(s.attention.indexer.topk, s.attention.indexer.num_heads, s.attention.indexer.head_dim,
+             s.attention.indexer.is_rope_interleaved) for s in specs} == {(TOPK, 16, 32, arch == "glm")}
+    # a full layer caches its index key beside the latent (one cache group); a shared one has no index cache
+    shapes = [layer.self_attn.kv_cache_shapes() for layer in llm.model.model.layers]
+    latent = (1, 32 + 16)
+    assert shapes == [(latent, (1, 32)) if t == "full" else (latent,) for t in expected]
+
+
+@pytest.mark.parametrize("length", PROMPT_LENS)
+def test_prefill_logits_match_transformers(dsa, length):
+    arch, _, ref, llm = dsa
+    ids = prompt(length, seed=400 + length)
+    with selection_margins(llm) as margins:
+        ours = llm.prefill_logits(ids)
+    assert_logits_close(ours, hf_logits(ref, ids), f"{arch} prefill of {length}")
+    assert min(margins, default=1.0) > 1e-5, f"{arch}: a top-k tie at the boundary; pick another seed"
+    assert bool(margins) == (length > TOPK)
+
+
+def test_greedy_generation_matches_transformers(dsa):
+    arch, _, ref, llm = dsa
+    ids = prompt(20, seed=101)
+    expected = hf_generate(ref, ids, NUM_GREEDY)
+    with selection_margins(llm) as margins:
+        ours = llm.generate(ids, max_new_tokens=NUM_GREEDY, ignore_eos=True)
+    assert_same_tokens(ours, expected, None, f"{arch} greedy")
+    assert min(margins) > 1e-5
+
+
+def test_the_selection_decides_the_output(dsa):
+    """transformers' own logits change when index_topk covers the whole prompt, so the parity above checks the
+    selection (and for GLM, that shared layers take the previous full layer's)."""
+    arch, _, ref, _ = dsa
+    ids = prompt(200, seed=600)
+    sparse = hf_logits(ref, ids)
+    for layer in ref.model.layers:
+        if getattr(layer.self_attn, "indexer", None) is not None:
+            layer.self_attn.indexer.index_topk = 1000
+    try:
+        dense = hf_logits(ref, ids)
+    finally:
+        for layer in ref.model.layers:
+            if getattr(layer.self_attn, "indexer", None) is not None:
+                layer.self_attn.indexer.index_topk = TOPK
+    assert (sparse - dense).abs().max() > 1e-2 * sparse.abs().max()
+
+
+# --- the engine: the index-key cache in the layer's pages --------------------------------------------------------
+
+
+def _solo(llm, prompts, max_tokens):
+    engine = Engine(llm, max_num_batched_tokens=llm.max_model_len, max_num_seqs=1)
+    try:
+        return [engine.generate([p], max_tokens=max_tokens, ignore_eos=True)[0] for p in prompts]
+    finally:
+        engine.close()
+
+
+def test_batched_chunked_prefill_gives_solo_tokens(dsa):
+    _, _, _, llm = dsa
+    prompts = [prompt(n, seed=n) for n in (5, 60, 130, 17)]
+    solo = _solo(llm, prompts, 10)
+    engine = Engine(llm, max_num_batched_tokens=48, max_num_seqs=4)  # the 130-token prompt takes three chunks
+    try:
+        assert engine.generate(prompts, max_tokens=10, ignore_eos=True) == solo
+    finally:
+        engine.close()
+
+
+def test_prefix_cache_hit_gives_solo_tokens(dsa):
+    _, path, _, llm = dsa
+    conversation = prompt(90, seed=77)
+    resent = conversation[:64] + prompt(20, seed=78)
+    uncached = LLM(path, dtype="float32", expert_placement="device", max_model_len=MAX_MODEL_LEN,
+                   enable_prefix_caching=False)
+    solo = _solo(uncached, [resent], 8)
+    engine = Engine(llm)
+    try:
+        engine.generate([conversation], max_tokens=4, ignore_eos=True)
+        request_id = engine.add_request(resent, max_tokens=8, ignore_eos=True)
+        while engine.has_work():
+            engine.step()
+        request = engine.requests[request_id]
+        assert request.num_cached == 64  # four full pages, index keys included, were not recomputed
+        assert request.output_ids == solo[0]
+    finally:
+        engine.close()
+
+
+def test_preemption_recomputes_the_same_tokens(dsa):
+    _, path, _, _ = dsa
+    # 16 pages of 16 tokens: two 100-token prompts start (7 pages each) and outgrow them (9 each at 130 tokens)
+    llm = LLM(path, dtype="float32", expert_placement="device", max_model_len=256, max_num_seqs=3,
+              kv_cache_tokens=256)
+    prompts = [prompt(100, seed=s) for s in (1, 2, 3)]
+    solo = _solo(llm, prompts, 30)
+    engine = Engine(llm, max_num_batched_tokens=48, max_num_seqs=3)
+    preempted = []
+    preempt = engine.scheduler.preempt
+    engine.scheduler.preempt = lambda r: (preempted.append(r.request_id), preempt(r))
+    try:
+        assert engine.generate(prompts, max_tokens=30, ignore_eos=True) == solo
+        assert preempted
+    finally:
+        engine.close()
+
+
+# --- the config ---------------------------------------------------------------------------------------------------
+
+
+def _write_config(path, arch: str, update: dict, remove: tuple[str, ...] = ()) -> None:
+    config = dsa_config(arch).to_dict() | {"architectures": [ARCHS[arch][0].replace("Config", "ForCausalLM")]}
+    for key in remove:
+        config.pop(key, None)
+    (path / "config.json").write_text(json.dumps(config | update))
+
+
+def test_glm52_schedule_spelling_gives_transformers_indexer_types(tmp_path):
+    """GLM-5.2's config spells the schedule as index_topk_freq / index_skip_topk_offset; the layers we build are
+    the ones transformers derives from it."""
+    schedule = dict(num_hidden_layers=12, index_topk_freq=4, index_skip_topk_offset=3)
+    _write_config(tmp_path, "glm", schedule, remove=("indexer_types", "mlp_layer_types", "layer_types"))
+    _, config = load_model_config(tmp_path)
+    want = transformers.GlmMoeDsaConfig(**(COMMON | schedule | {"indexer_types": None})).indexer_types
+    assert "shared" in want
+    assert ["shared" if s.attention.indexer.is_shared else "full" for s in config.layers] == want
+
+
+@pytest.mark.parametrize("update, message", [
+    ({"indexer_types": ["shared", "full", "full", "full"]}, "starts with a 'shared' layer"),
+    ({"indexer_types": ["full", "sparse", "full", "full"]}, "'indexer_types' must list"),
+    ({"q_lora_rank": None}, "q_lora_rank is null"),
+    ({"index_head_dim": 8}, "index_head_dim 8 is smaller than qk_rope_head_dim 16"),
+])
+def test_config_errors_name_the_key(tmp_path, update, message):
+    _write_config(tmp_path, "glm", update)
+    with pytest.raises(ConfigError, match=message):
+        load_model_config(tmp_path)
+
+
+# --- FP8 (the released checkpoints' format) -------------------------------------------------------------------------
+
+
+def test_fp8_release_matches_the_dequantized_reference(tmp_path_factory):
+    """FP8 block-scaled projections, the indexer's wq_b and wk included (its weights_proj stays 16-bit, as
+    released)."""
+    built = build_fp8_checkpoint(dsa_config("v32"), ARCHS["v32"][2], tmp_path_factory, "v32_fp8")
+    stored = built["stored"]
+    assert stored["model.layers.1.self_attn.indexer.wq_b.weight"].dtype == torch.float8_e4m3fn
+    assert stored["model.layers.1.self_attn.indexer.weights_proj.weight"].dtype == torch.float32
+    for length in (7, 33):
+        ids = prompt(length, seed=500 + length)
+        ours, ref = built["llm"].prefill_logits(ids), hf_logits(built["ref"], ids)
+        assert (ours - ref).abs().max() <= REL_TOL * ref.abs().max()
