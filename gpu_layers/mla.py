@@ -298,8 +298,9 @@ def prefill_config(capability: int, nope_dim: int, v_head_dim: int, element_size
     return select(PREFILL_CONFIGS, capability)[(head_block, element_size)]
 
 
-def _check_common(q_nope, q_rope, latent_cache, w_kv_b, block_tables, seq_lens, v_head_dim) -> tuple[int, int, int]:
-    """Shape, dtype and device checks shared by decode and prefill. Returns (num_heads, nope_dim, rank)."""
+def check_layer_inputs(q_nope, q_rope, latent_cache, w_kv_b, block_tables, v_head_dim) -> tuple[int, int, int]:
+    """Shape, dtype and device checks of the queries, the cache, the weight and the block tables, shared by every
+    launcher here and by `mla_sparse`. Returns (num_heads, nope_dim, rank)."""
     _require(q_nope.dim() == 3, f"q_nope must be [tokens, heads, nope_dim], got {tuple(q_nope.shape)}")
     _require(q_nope.dtype in TRITON_DTYPES, f"q_nope must be bf16, fp16 or fp32, got {q_nope.dtype}")
     num_tokens, num_heads, nope_dim = q_nope.shape
@@ -318,15 +319,22 @@ def _check_common(q_nope, q_rope, latent_cache, w_kv_b, block_tables, seq_lens, 
     for name, t in (("q_rope", q_rope), ("latent_cache", latent_cache), ("w_kv_b", w_kv_b)):
         _require(t.dtype == q_nope.dtype, f"{name} must be {q_nope.dtype} like q_nope, got {t.dtype}")
     for name, t in (("q_rope", q_rope), ("latent_cache", latent_cache), ("w_kv_b", w_kv_b),
-                    ("block_tables", block_tables), ("seq_lens", seq_lens)):
+                    ("block_tables", block_tables)):
         _require(t.device == q_nope.device, f"{name} must be on {q_nope.device}, got {t.device}")
     _require(q_rope.stride(2) == 1, "q_rope must be contiguous in its last dim")
     _require(latent_cache.is_contiguous(), "latent_cache must be contiguous")
     _require(block_tables.dim() == 2 and block_tables.dtype == torch.int32,
              "block_tables must be [B, max_blocks] int32")
+    return num_heads, nope_dim, rank
+
+
+def _check_common(q_nope, q_rope, latent_cache, w_kv_b, block_tables, seq_lens, v_head_dim) -> tuple[int, int, int]:
+    """check_layer_inputs, and seq_lens: the checks shared by decode and prefill."""
+    dims = check_layer_inputs(q_nope, q_rope, latent_cache, w_kv_b, block_tables, v_head_dim)
+    _require(seq_lens.device == q_nope.device, f"seq_lens must be on {q_nope.device}, got {seq_lens.device}")
     _require(seq_lens.dim() == 1 and seq_lens.dtype == torch.int32 and seq_lens.shape[0] == block_tables.shape[0],
              f"seq_lens must be [{block_tables.shape[0]}] int32 like block_tables' rows")
-    return num_heads, nope_dim, rank
+    return dims
 
 
 def _check_out(out, shape, like: torch.Tensor) -> torch.Tensor:
