@@ -47,13 +47,13 @@ class ServerConfig:
         "help": "tokens per engine step (prefill chunk budget); default min(512, context length)"})
     tool_call_parser: str = field(default="auto", metadata={
         "help": "tool-call format of the model's output; auto: from the chat template and vocabulary (qwen3_coder "
-                "also for Qwen3-Next / Qwen3.5 architectures); openai: gpt-oss's harmony format (auto for "
-                "GptOssForCausalLM)",
+                "also for Qwen3-Next / Qwen3.5 architectures, glm47 for GLM-5's, deepseek_v32 with DeepSeek-V3.2's "
+                "encoding); openai: gpt-oss's harmony format (auto for GptOssForCausalLM)",
         "choices": TOOL_PARSER_CHOICES, "group": CHAT})
     reasoning_parser: str = field(default="auto", metadata={
-        "help": "return <think>...</think> as reasoning_content; auto: when the vocabulary has the tags, and for "
-                "MiniMax-M2 minimax_m2_append_think (the think block stays in content, as MiniMax recommends); "
-                "openai_gptoss: gpt-oss's harmony format (auto for GptOssForCausalLM)",
+        "help": "return <think>...</think> as reasoning_content; auto: when the vocabulary has the tags (always for "
+                "DeepSeek-V3.2 and GLM-5), and for MiniMax-M2 minimax_m2_append_think (the think block stays in "
+                "content, as MiniMax recommends); openai_gptoss: gpt-oss's harmony format (auto for GptOssForCausalLM)",
         "choices": REASONING_PARSER_CHOICES, "group": CHAT})
     chat_template: str | None = field(default=None, metadata={
         "help": "a Jinja chat template (a file, or the template text) used instead of the checkpoint's", "group": CHAT})

@@ -105,9 +105,9 @@ def render_prompt(messages, tools: list[dict] | None, chat_template_kwargs: dict
         elif role == "assistant":
             reasoning = (message.reasoning_content or "") + THINK_END if thinking and index > last_user else ""
             parts.append(reasoning + message.text() + _calls_text(message.tool_calls, index) + EOS)
-        else:
-            is_first, is_last = index == 0 or roles[index - 1] != "tool", index + 1 == len(roles) or \
-                roles[index + 1] != "tool"
+        else:  # a run of tool messages is one results block
+            is_first = index == 0 or roles[index - 1] != "tool"
+            is_last = index + 1 == len(roles) or roles[index + 1] != "tool"
             parts.append(("\n\n" + RESULTS_START if is_first else "") + f"\n<result>{message.text()}</result>"
                          + ("\n" + RESULTS_END + "\n\n" + think if is_last else ""))
     return "".join(parts)
