@@ -4,8 +4,9 @@ Data flow of one request:
 
 1. `app` (FastAPI, built by `build_app(config, engine_loop)`, no globals): auth, pydantic validation
    (`protocol`), errors as OpenAI JSON (`errors`), per-app Prometheus registry (`metrics`);
-2. `chat` / `completions`: chat template (`tokenizer_config.json`) -> token ids, sampling parameters, the context
-   check; a `serving.Generation` submits one `engine_loop.GenerateJob` per choice;
+2. `chat` / `completions`: chat template (`tokenizer_config.json`; gpt-oss: `harmony`, DeepSeek-V3.2:
+   `deepseek_v32`) -> token ids, sampling parameters, the context check; a `serving.Generation` submits one
+   `engine_loop.GenerateJob` per choice;
 3. `engine_loop.EngineLoop`: the one thread that owns `hybrid.engine.Engine`; commands (add, cancel) arrive on a
    queue, it steps while there is work, detokenizes (`hybrid.detokenizer`) and checks stop strings, and hands
    `Output` events back to asyncio with `loop.call_soon_threadsafe`;

@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hybrid.config import read_config_json
 from hybrid.errors import ConfigError
-from server import anthropic_api, harmony, tokens
+from server import anthropic_api, deepseek_v32, harmony, tokens
 from server.anthropic_protocol import CountTokensRequest, MessagesRequest
 from server.chat import create_chat_completion
 from server.completions import create_completion
@@ -103,20 +103,25 @@ def served_model(config: ServerConfig, tokenizer, max_model_len: int) -> ServedM
     vocab = tokenizer.get_vocab() if tokenizer is not None else {}
     template = getattr(tokenizer, "chat_template", None)
     template = template if isinstance(template, str) else ""
-    if tokenizer is not None and harmony.is_selected(config.reasoning_parser, config.tool_call_parser,
-                                                     _architectures(config.model), template):
+    architectures = _architectures(config.model)
+    is_deepseek_v32 = tokenizer is not None and deepseek_v32.is_selected(config.chat_format, template, architectures)
+    if is_deepseek_v32:  # the encoding's formats are V3.2's, whatever the checkpoint: `auto` picks them
+        template, architectures = "", [deepseek_v32.ARCHITECTURE]
+    elif tokenizer is not None and harmony.is_selected(config.reasoning_parser, config.tool_call_parser,
+                                                       architectures, template):
         # gpt-oss: the format renders the prompt and parses reasoning and calls; its turn ends at <|return|>/<|call|>
         stops = tuple(vocab[tag] for tag in harmony.STOP_TAGS if tag in vocab)
         return ServedModel(config.model_name, tokenizer, max_model_len, None, None,
                            sampling_defaults(config.generation_config_dir),
                            has_special_tags=tags_are_special(tokenizer, vocab, harmony.TAGS), is_harmony=True,
                            stop_token_ids=stops, other_names=config.model_names[1:])
-    tool_parser = choose_tool_parser(config.tool_call_parser, template, vocab, _architectures(config.model))
-    reasoning_parser = choose_reasoning_parser(config.reasoning_parser, template, vocab)
+    tool_parser = choose_tool_parser(config.tool_call_parser, template, vocab, architectures)
+    reasoning_parser = choose_reasoning_parser(config.reasoning_parser, template, vocab, architectures)
     tags = (tool_parser.tags if tool_parser else ()) + ((THINK_START, THINK_END) if reasoning_parser else ())
     return ServedModel(config.model_name, tokenizer, max_model_len, tool_parser, reasoning_parser,
                        sampling_defaults(config.generation_config_dir),
-                       has_special_tags=tags_are_special(tokenizer, vocab, tags), other_names=config.model_names[1:])
+                       has_special_tags=tags_are_special(tokenizer, vocab, tags), is_deepseek_v32=is_deepseek_v32,
+                       other_names=config.model_names[1:])
 
 
 def _architectures(model_dir: str | None) -> list:

@@ -8,7 +8,8 @@ constrained to a valid call of the tools where `server.structured` covers the pa
 block the prompt opened is closed first. `response_format` and vLLM's `guided_*` fields constrain the output too.
 `chat_template_kwargs` go to the template as they are (`{"thinking": false}` for Kimi-K2.5,
 `{"enable_thinking": false}` for GLM and Qwen3), and the reasoning parser starts where the rendered prompt leaves
-the output: inside a think block or not.
+the output: inside a think block or not. DeepSeek-V3.2 has no template: `server.deepseek_v32` writes its prompt
+(thinking mode for `{"thinking": true}`).
 
 gpt-oss's harmony format takes the place of all three: `server.harmony` renders the prompt and one parser splits
 the output into reasoning, content and calls, the calls' arguments streamed as they come.
@@ -26,7 +27,7 @@ from fastapi.responses import JSONResponse
 from starlette.requests import Request
 
 from hybrid.sampling import GuidedSpec
-from server import harmony
+from server import deepseek_v32, harmony
 from server.errors import APIError, error_body
 from server.prompts import check_encodable, check_prompt_bytes, encode
 from server.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
@@ -175,12 +176,24 @@ def _call_dict(call) -> dict:
 def render_prompt(state: ServerState, request: ChatCompletionRequest) -> tuple[str, type[ToolCallParser] | None]:
     """The prompt text (chat template, plus the opening of a call when the tool choice forces one) and the
     tool-call parser this request's output goes through."""
-    tokenizer = state.model.tokenizer
     use_tools = bool(request.tools) and request.tool_choice != "none"
+    tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if use_tools else None
     if state.model.is_harmony:
-        tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if use_tools else None
         text = harmony.render_prompt(request.messages, tools, request.reasoning_effort)
         return text + _harmony_forced_prefix(request), None
+    if state.model.is_deepseek_v32:
+        text = deepseek_v32.render_prompt(request.messages, tools, request.chat_template_kwargs)
+    else:
+        text = _template_prompt(state.model.tokenizer, request, tools)
+    parser = state.model.tool_parser if use_tools else None
+    prefix = _forced_prefix(parser, request)
+    if prefix and ReasoningParser.prompt_opens_thinking(text):
+        text += THINK_END  # the forced call is the answer, after an empty think block
+    return text + prefix, parser
+
+
+def _template_prompt(tokenizer, request: ChatCompletionRequest, tools: list[dict] | None) -> str:
+    """The prompt text of the checkpoint's chat template, with the request's `chat_template_kwargs`."""
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
     kwargs = dict(request.chat_template_kwargs or {})
@@ -190,17 +203,11 @@ def render_prompt(state: ServerState, request: ChatCompletionRequest) -> tuple[s
     if reserved:
         raise APIError(400, f"chat_template_kwargs may not set {', '.join(sorted(reserved))}",
                        param="chat_template_kwargs")
-    tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if use_tools else None
     try:
-        text = tokenizer.apply_chat_template([_message_dict(m) for m in request.messages], tools=tools,
+        return tokenizer.apply_chat_template([_message_dict(m) for m in request.messages], tools=tools,
                                              add_generation_prompt=True, tokenize=False, **kwargs)
     except Exception as exc:  # a template raises whatever it likes (e.g. "roles must alternate")
         raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
-    parser = state.model.tool_parser if use_tools else None
-    prefix = _forced_prefix(parser, request)
-    if prefix and ReasoningParser.prompt_opens_thinking(text):
-        text += THINK_END  # the forced call is the answer, after an empty think block
-    return text + prefix, parser
 
 
 def prepare_chat(state: ServerState, request: ChatCompletionRequest, route: str = "/v1/chat/completions",

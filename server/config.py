@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hybrid.errors import ConfigError
+from server import deepseek_v32, harmony
 from server.reasoning import REASONING_PARSER_CHOICES
 from server.tool_parsers import TOOL_PARSER_CHOICES
 
@@ -46,16 +47,22 @@ class ServerConfig:
         "help": "tokens per engine step (prefill chunk budget); default min(512, context length)"})
     tool_call_parser: str = field(default="auto", metadata={
         "help": "tool-call format of the model's output; auto: from the chat template and vocabulary (qwen3_coder "
-                "also for Qwen3-Next / Qwen3.5 architectures); openai: gpt-oss's harmony format (auto for "
-                "GptOssForCausalLM)",
+                "also for Qwen3-Next / Qwen3.5 architectures, glm47 for GLM-5's, deepseek_v32 with DeepSeek-V3.2's "
+                "encoding); openai: gpt-oss's harmony format (auto for GptOssForCausalLM)",
         "choices": TOOL_PARSER_CHOICES, "group": CHAT})
     reasoning_parser: str = field(default="auto", metadata={
-        "help": "return <think>...</think> as reasoning_content; auto: when the vocabulary has the tags, and for "
-                "MiniMax-M2 minimax_m2_append_think (the think block stays in content, as MiniMax recommends); "
-                "openai_gptoss: gpt-oss's harmony format (auto for GptOssForCausalLM)",
+        "help": "return <think>...</think> as reasoning_content; auto: when the vocabulary has the tags (always for "
+                "DeepSeek-V3.2 and GLM-5), and for MiniMax-M2 minimax_m2_append_think (the think block stays in "
+                "content, as MiniMax recommends); openai_gptoss: gpt-oss's harmony format (auto for GptOssForCausalLM)",
         "choices": REASONING_PARSER_CHOICES, "group": CHAT})
     chat_template: str | None = field(default=None, metadata={
         "help": "a Jinja chat template (a file, or the template text) used instead of the checkpoint's", "group": CHAT})
+    # vLLM's --tokenizer-mode deepseek_v32 is the same setting
+    chat_format: str = field(default="auto", metadata={
+        "help": "how chat messages become the prompt: auto: the chat template, or DeepSeek-V3.2's own encoding for a "
+                "DeepseekV32ForCausalLM checkpoint without one; deepseek_v32: that encoding (and its DSML tool calls) "
+                "whatever the checkpoint",
+        "choices": deepseek_v32.CHAT_FORMAT_CHOICES, "aliases": ("--tokenizer-mode",), "group": CHAT})
     # as vLLM's flag, which turns on tool-call parsing for tool_choice auto: here it always is
     enable_auto_tool_choice: bool = field(default=False, metadata={
         "help": "accepted for vLLM's command lines: tool calls are always parsed when a request sends tools",
@@ -114,6 +121,13 @@ class ServerConfig:
         if self.reasoning_parser not in REASONING_PARSER_CHOICES:
             raise ConfigError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSER_CHOICES)}, "
                               f"got {self.reasoning_parser!r}")
+        if self.chat_format not in deepseek_v32.CHAT_FORMAT_CHOICES:
+            raise ConfigError(f"--chat-format must be one of {', '.join(deepseek_v32.CHAT_FORMAT_CHOICES)}, "
+                              f"got {self.chat_format!r}")
+        if self.chat_format == deepseek_v32.NAME and (self.tool_call_parser == harmony.TOOL_PARSER_NAME or
+                                                      self.reasoning_parser == harmony.REASONING_PARSER_NAME):
+            raise ConfigError("--chat-format deepseek_v32 and gpt-oss's harmony format (--tool-call-parser openai, "
+                              "--reasoning-parser openai_gptoss) each render the prompt: choose one")
 
     @property
     def model_name(self) -> str:

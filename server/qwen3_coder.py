@@ -3,25 +3,24 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 
 from server.reasoning import partial_tag_length
-from server.tool_calls import CallDelta, ToolCall, ToolCallParser, ToolDelta, new_call_id, parameter_schemas
+from server.tool_calls import (
+    CallDelta,
+    DeltaPieces,
+    StreamedCall,
+    ToolCall,
+    ToolCallParser,
+    ToolDelta,
+    json_string_text,
+    new_call_id,
+    parameter_schemas,
+)
 from server.typed_arguments import is_string_parameter, typed_value
 
 QWEN_FUNCTION, QWEN_FUNCTION_END = "<function=", "</function>"
 QWEN_PARAMETER, QWEN_PARAMETER_END = "<parameter=", "</parameter>"
 MAX_QWEN_NAME_CHARS = 256  # a function or parameter name longer than this is not one: the text is content
-
-
-@dataclass
-class _StreamedCall:
-    id: str
-    name: str
-    pieces: list[str]  # of the arguments' JSON text: joined once, at the end
-
-    def whole(self) -> ToolCall:
-        return ToolCall(self.id, self.name, "".join(self.pieces))
 
 
 class Qwen3CoderToolParser(ToolCallParser):
@@ -55,7 +54,7 @@ class Qwen3CoderToolParser(ToolCallParser):
         self._is_value_start = False  # a string value's first newline is the template's
         self._argument_schema = None
         self._num_arguments = 0
-        self._calls: list[_StreamedCall] = []
+        self._calls: list[StreamedCall] = []
         self._unsent = ToolDelta()  # what the forced prefix opened, handed out with the first piece
         if forced_prefix:
             self._unsent = self.feed(forced_prefix)
@@ -68,14 +67,14 @@ class Qwen3CoderToolParser(ToolCallParser):
         return [call.whole() for call in self._calls]
 
     def feed(self, text: str) -> ToolDelta:
-        out, self._unsent = _Pieces(self._unsent), ToolDelta()
+        out, self._unsent = DeltaPieces(self._unsent), ToolDelta()
         self._pending += text
         while self._step(out):
             pass
         return out.delta()
 
     def finish(self) -> ToolDelta:
-        out, self._unsent = _Pieces(self._unsent), ToolDelta()
+        out, self._unsent = DeltaPieces(self._unsent), ToolDelta()
         pending, self._pending = self._pending, ""
         if self._state == "text":
             self._text(out, pending)
@@ -84,10 +83,10 @@ class Qwen3CoderToolParser(ToolCallParser):
         elif self._state == "close":
             out.content += pending if pending.strip() else ""
         elif self._state == "string":
-            self._emit(out, _json_text(pending))
+            self._emit(out, json_string_text(pending))
         return out.delta()
 
-    def _step(self, out: _Pieces) -> bool:
+    def _step(self, out: DeltaPieces) -> bool:
         """Consumes what it can of the pending text; False when it has to wait for more."""
         if self._state == "text":
             start = self._pending.find(self.start_tag)
@@ -114,7 +113,7 @@ class Qwen3CoderToolParser(ToolCallParser):
         self._pending, self._state = self._pending[end + len(QWEN_PARAMETER_END):], "body"
         return True
 
-    def _text(self, out: _Pieces, text: str) -> None:
+    def _text(self, out: DeltaPieces, text: str) -> None:
         if not self._is_after_call:
             out.content += text
         elif text.strip():
@@ -122,7 +121,7 @@ class Qwen3CoderToolParser(ToolCallParser):
         else:
             self._held_space += text
 
-    def _between(self, out: _Pieces) -> bool:
+    def _between(self, out: DeltaPieces) -> bool:
         """After <tool_call> (`open`) or a function (`close`): a function's opening, or the call's end."""
         self._pending = self._pending.lstrip()
         if self._pending.startswith(QWEN_FUNCTION):
@@ -144,13 +143,13 @@ class Qwen3CoderToolParser(ToolCallParser):
         self._state, self._is_after_call = "text", self._state == "close"
         return True
 
-    def _open_call(self, out: _Pieces, name: str) -> None:
-        self._calls.append(_StreamedCall(new_call_id(), name, []))
+    def _open_call(self, out: DeltaPieces, name: str) -> None:
+        self._calls.append(StreamedCall(new_call_id(), name, []))
         out.calls.append(CallDelta(len(self._calls) - 1, self._calls[-1].id, name))
         self._num_arguments = 0
         self._emit(out, "{")
 
-    def _body(self, out: _Pieces) -> bool:
+    def _body(self, out: DeltaPieces) -> bool:
         """In a function: an argument's opening, or the function's end."""
         self._pending = self._pending.lstrip()
         if self._pending.startswith(QWEN_PARAMETER):
@@ -178,7 +177,7 @@ class Qwen3CoderToolParser(ToolCallParser):
             return False
         return self._stray(out)
 
-    def _stray(self, out: _Pieces) -> bool:
+    def _stray(self, out: DeltaPieces) -> bool:
         """Text in a function that is no argument: content, up to the next tag."""
         end = self._pending.find("<", 1)
         end = len(self._pending) if end < 0 else end
@@ -186,7 +185,7 @@ class Qwen3CoderToolParser(ToolCallParser):
         self._pending = self._pending[end:]
         return True
 
-    def _string(self, out: _Pieces) -> bool:
+    def _string(self, out: DeltaPieces) -> bool:
         """A string argument's text, streamed but for a tail that could be the newline and tag that end it."""
         if self._is_value_start:
             if not self._pending:
@@ -194,16 +193,16 @@ class Qwen3CoderToolParser(ToolCallParser):
             self._pending, self._is_value_start = self._pending.removeprefix("\n"), False
         end = self._pending.find(QWEN_PARAMETER_END)
         if end >= 0:
-            self._emit(out, _json_text(self._pending[:end].removesuffix("\n")) + '"')
+            self._emit(out, json_string_text(self._pending[:end].removesuffix("\n")) + '"')
             self._pending, self._state = self._pending[end + len(QWEN_PARAMETER_END):], "body"
             return True
         send = self._pending[:len(self._pending) - partial_tag_length(self._pending, QWEN_PARAMETER_END)]
         send = send.removesuffix("\n")
-        self._emit(out, _json_text(send))
+        self._emit(out, json_string_text(send))
         self._pending = self._pending[len(send):]
         return False
 
-    def _emit(self, out: _Pieces, arguments: str) -> None:
+    def _emit(self, out: DeltaPieces, arguments: str) -> None:
         if arguments:
             self._calls[-1].pieces.append(arguments)
             out.calls.append(CallDelta(len(self._calls) - 1, arguments=arguments))
@@ -217,24 +216,3 @@ class Qwen3CoderToolParser(ToolCallParser):
         if cls.marker in chat_template:
             return True
         return any(a in cls.architectures for a in architectures or ()) and cls.start_tag not in chat_template
-
-
-def _json_text(text: str) -> str:
-    """`text` as it is inside a JSON string (escaping is per character, so the pieces join into the whole)."""
-    return json.dumps(text, ensure_ascii=False)[1:-1]
-
-
-class _Pieces:
-    """What one `feed` hands out, the call pieces of one call joined."""
-
-    def __init__(self, unsent: ToolDelta):
-        self.content, self.calls = unsent.content, list(unsent.call_deltas)
-
-    def delta(self) -> ToolDelta:
-        merged: list[CallDelta] = []
-        for call in self.calls:
-            if merged and merged[-1].index == call.index:
-                last = merged.pop()
-                call = CallDelta(call.index, last.id, last.name, last.arguments + call.arguments)
-            merged.append(call)
-        return ToolDelta(content=self.content, call_deltas=tuple(merged))

@@ -3,10 +3,11 @@
 `ReasoningParser` is fed the output text piece by piece (`feed`, then `finish` once at the end) and returns what
 each piece adds to the reasoning and to the content. It never hands out part of a tag: a tail that could still
 become `<think>` or `</think>` waits for the next piece. Where the rendered prompt opens the think block itself
-(DeepSeek-R1, Kimi-K2.5, GLM-4.7, MiniMax-M2: the prompt ends with `<think>`) the output starts inside it; where it
-does not (a template that closed the block for `chat_template_kwargs` such as `{"thinking": false}` or
-`{"enable_thinking": false}`, or one that leaves the tag to the model), a think block counts only at the start of
-the output, and an output that does not start with one is all content (`for_prompt`).
+(DeepSeek-R1, DeepSeek-V3.2 in thinking mode, Kimi-K2.5, GLM-4.7 / GLM-5, MiniMax-M2: the prompt ends with
+`<think>`) the output starts inside it; where it does not (a template that closed the block for
+`chat_template_kwargs` such as `{"thinking": false}` or `{"enable_thinking": false}`, or one that leaves the tag to
+the model), a think block counts only at the start of the output, and an output that does not start with one is all
+content (`for_prompt`).
 
 `ThinkInContentParser` (`minimax_m2_append_think`) returns the think block, tags and all, as content, in front of
 the rest: MiniMax-M2's template reads the reasoning of earlier turns back from `<think>` blocks in the assistant
@@ -123,21 +124,28 @@ class ThinkInContentParser(ReasoningParser):
 
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
-    "qwen3": ReasoningParser, "deepseek_r1": ReasoningParser, "kimi_k2": ReasoningParser, "glm45": ReasoningParser,
-    "minimax_m2": ReasoningParser, "minimax_m2_append_think": ThinkInContentParser}
+    "qwen3": ReasoningParser, "deepseek_r1": ReasoningParser, "deepseek_v3": ReasoningParser,
+    "kimi_k2": ReasoningParser, "glm45": ReasoningParser, "minimax_m2": ReasoningParser,
+    "minimax_m2_append_think": ThinkInContentParser}
 # openai_gptoss: gpt-oss's harmony format, which `server.harmony` renders and parses whole (tool calls too)
 REASONING_PARSER_CHOICES = ("auto", "none", *REASONING_PARSERS, "openai_gptoss")
 MINIMAX_MARKER = "<minimax:tool_call>"
+# checkpoints whose output is always read for a think block: DeepSeek-V3.2's encoding writes the tags itself
+THINKING_ARCHITECTURES = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
 
 
-def choose_reasoning_parser(choice: str, chat_template: str, vocab: dict[str, int]) -> type[ReasoningParser] | None:
-    """The parser class for `--reasoning-parser`. `auto`: none unless the vocabulary has both think tags; MiniMax-M2
-    (its tool-call tag in the template or vocabulary) keeps the think block in the content, as MiniMax recommends
-    for multi-turn use (`minimax_m2` splits it out instead); every other model gets `reasoning_content`."""
+def choose_reasoning_parser(choice: str, chat_template: str, vocab: dict[str, int],
+                            architectures=()) -> type[ReasoningParser] | None:
+    """The parser class for `--reasoning-parser`. `auto`: none unless the vocabulary has both think tags (or the
+    config.json `architectures` are DeepSeek-V3.2's or GLM-5's); MiniMax-M2 (its tool-call tag in the template or
+    vocabulary) keeps the think block in the content, as MiniMax recommends for multi-turn use (`minimax_m2`
+    splits it out instead); every other model gets `reasoning_content`."""
     if choice in ("none", "openai_gptoss"):
         return None
     if choice != "auto":
         return REASONING_PARSERS[choice]
+    if any(a in THINKING_ARCHITECTURES for a in architectures or ()):
+        return ReasoningParser
     if THINK_START not in vocab or THINK_END not in vocab:
         return None
     if MINIMAX_MARKER in vocab or MINIMAX_MARKER in chat_template:

@@ -52,6 +52,7 @@ class ServedModel:
     # The parsers' tags are special tokens (Kimi's, GLM's), which decoding drops by default: chat output keeps them.
     has_special_tags: bool = False
     is_harmony: bool = False  # gpt-oss's harmony format (`server.harmony`) instead of the chat template and parsers
+    is_deepseek_v32: bool = False  # DeepSeek-V3.2's encoding (`server.deepseek_v32`) instead of the chat template
     stop_token_ids: tuple[int, ...] = ()  # ends of a chat turn besides the tokenizer's EOS (harmony's)
     other_names: tuple[str, ...] = ()  # more names requests may send (--served-model-name a b ...)
 

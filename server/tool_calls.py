@@ -3,6 +3,7 @@ the formats are in `server.tool_parsers` (and `server.qwen3_coder`), which picks
 
 from __future__ import annotations
 
+import json
 import re
 import uuid
 from dataclasses import dataclass
@@ -140,3 +141,36 @@ def parameter_schemas(tools: list[dict] | None) -> dict[str, dict]:
         if isinstance(function.get("name"), str):
             schemas[function["name"]] = properties if isinstance(properties, dict) else {}
     return schemas
+
+
+@dataclass
+class StreamedCall:
+    """A call of a parser that streams them (`is_streaming`), as it grows."""
+
+    id: str
+    name: str
+    pieces: list[str]  # of the arguments' JSON text: joined once, at the end
+
+    def whole(self) -> ToolCall:
+        return ToolCall(self.id, self.name, "".join(self.pieces))
+
+
+def json_string_text(text: str) -> str:
+    """`text` as it is inside a JSON string (escaping is per character, so the pieces join into the whole)."""
+    return json.dumps(text, ensure_ascii=False)[1:-1]
+
+
+class DeltaPieces:
+    """What one `feed` of a streaming parser hands out, the call pieces of one call joined."""
+
+    def __init__(self, unsent: ToolDelta):
+        self.content, self.calls = unsent.content, list(unsent.call_deltas)
+
+    def delta(self) -> ToolDelta:
+        merged: list[CallDelta] = []
+        for call in self.calls:
+            if merged and merged[-1].index == call.index:
+                last = merged.pop()
+                call = CallDelta(call.index, last.id, last.name, last.arguments + call.arguments)
+            merged.append(call)
+        return ToolDelta(content=self.content, call_deltas=tuple(merged))

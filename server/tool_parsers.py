@@ -13,10 +13,13 @@ One parser class per format, chosen from the chat template and vocabulary (`choo
 - GLM-4.5 / 4.6 / 4.7: `<tool_call>NAME<arg_key>P</arg_key><arg_value>VALUE</arg_value>...</tool_call>` (4.5 and 4.6
   put newlines between the parts);
 - Qwen3-Coder / Qwen3.5 / Qwen3-Coder-Next: `<tool_call>\\n<function=NAME>\\n<parameter=P>\\nVALUE\\n</parameter>
-  \\n...</function>\\n</tool_call>` (`server.qwen3_coder`: the one format whose calls stream as they are written).
+  \\n...</function>\\n</tool_call>` (`server.qwen3_coder`);
+- DeepSeek-V3.2: `<｜DSML｜function_calls>\\n<｜DSML｜invoke name="NAME">\\n<｜DSML｜parameter name="P"
+  string="true">VALUE</｜DSML｜parameter>\\n...</｜DSML｜invoke>...</｜DSML｜function_calls>` (`server.dsml`).
 
-MiniMax-M2, GLM and Qwen3-Coder write each argument as text: a string parameter's value as it is, any other as
-JSON; the request's tools tell which is which (`typed_value`).
+The last two stream their calls as they are written (`is_streaming`). MiniMax-M2, GLM and Qwen3-Coder write each
+argument as text: a string parameter's value as it is, any other as JSON; the request's tools tell which is which
+(`typed_value`). DeepSeek-V3.2 marks which is which itself (`string="true"`).
 
 A parser is fed the output text piece by piece (`feed`, then `finish` once) and returns content and whole tool
 calls: the text before the first call tag is content, streamed as it comes except for a tail that could still
@@ -33,6 +36,7 @@ from __future__ import annotations
 import json
 import re
 
+from server.dsml import DeepSeekV32ToolParser
 from server.qwen3_coder import Qwen3CoderToolParser
 from server.tool_calls import CallDelta as CallDelta
 from server.tool_calls import ToolCall as ToolCall
@@ -187,10 +191,16 @@ class Glm47ToolParser(_TypedArgumentsParser):
     name_pattern = re.compile(r"\s*(?P<name>[^\s<>]+)")
     argument_pattern = re.compile(r"\s*<arg_key>(?P<key>.*?)</arg_key>\s*<arg_value>(?P<value>.*?)</arg_value>",
                                   re.DOTALL)
+    architectures = ("GlmMoeDsaForCausalLM",)  # GLM-5 / 5.1 / 5.2 write GLM-4.7's calls
 
     @classmethod
     def forced_prefix(cls, function_name: str | None) -> str:
         return "<tool_call>" if function_name is None else "<tool_call>" + function_name
+
+    @classmethod
+    def matches(cls, chat_template: str, vocab: dict[str, int], architectures) -> bool:
+        return super().matches(chat_template, vocab, architectures) or \
+            any(a in cls.architectures for a in architectures or ())
 
 
 def _typed_call(name: str, body: str, start: int, argument_pattern: re.Pattern, schemas: dict) -> ToolCall | None:
@@ -206,13 +216,15 @@ def _typed_call(name: str, body: str, start: int, argument_pattern: re.Pattern, 
     return ToolCall(new_call_id(), name, json.dumps(arguments, ensure_ascii=False))
 
 
-TOOL_PARSERS = {parser.name: parser for parser in (HermesToolParser, DeepSeekV3ToolParser, KimiK2ToolParser,
-                                                   MiniMaxM2ToolParser, Glm47ToolParser, Qwen3CoderToolParser)}
+TOOL_PARSERS = {parser.name: parser for parser in (HermesToolParser, DeepSeekV3ToolParser, DeepSeekV32ToolParser,
+                                                   KimiK2ToolParser, MiniMaxM2ToolParser, Glm47ToolParser,
+                                                   Qwen3CoderToolParser)}
 # openai: gpt-oss's harmony format, which `server.harmony` renders and parses whole (reasoning too)
 TOOL_PARSER_CHOICES = ("auto", "none", *TOOL_PARSERS, "openai")
-# `auto` tries these in order: GLM's and Qwen3-Coder's templates and vocabularies have Hermes' <tool_call> too
-AUTO_ORDER = (DeepSeekV3ToolParser, KimiK2ToolParser, MiniMaxM2ToolParser, Glm47ToolParser, Qwen3CoderToolParser,
-              HermesToolParser)
+# `auto` tries these in order: GLM's and Qwen3-Coder's templates and vocabularies have Hermes' <tool_call> too,
+# DeepSeek-V3.2's vocabulary V3's tool-call tokens
+AUTO_ORDER = (DeepSeekV32ToolParser, DeepSeekV3ToolParser, KimiK2ToolParser, MiniMaxM2ToolParser, Glm47ToolParser,
+              Qwen3CoderToolParser, HermesToolParser)
 
 
 def choose_tool_parser(choice: str, chat_template: str, vocab: dict[str, int],
