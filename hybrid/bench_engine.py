@@ -1,8 +1,8 @@
 """`hybrid-bench decode` and `hybrid-bench prefill`: the engine on a converted model against its bound.
 
 The model is a converted directory (`--model`) or a synthetic one built and converted on the fly by shape
-(`--synthetic qwen3-30b-a3b --layers 2`, cached under `--workdir`). Decode: `--batch` requests, each a short prompt
-then `--tokens` decode steps, sampled; prefill: one prompt of `--tokens` tokens. Per step the wall time is split
+(`--synthetic qwen3-30b-a3b --layers 2`, cached under `--workdir`). Decode: `--batch` requests, each a prompt of
+`--context` tokens (default a short one) then `--tokens` decode steps, sampled; prefill: one prompt of `--tokens` tokens. Per step the wall time is split
 into the CPU experts' compute (timed on the threads that run them) and the rest; the bound of a decode step is the
 routed experts' bytes read per step over the memory read bandwidth measured in the same run, just before and just
 after the timed steps (`cpu_experts.bench.ReadBandwidth`), plus the time outside the CPU experts that does not
@@ -33,7 +33,8 @@ from hybrid.routed_experts import RoutedExperts
 from hybrid.sampling import SamplingParams
 from hybrid.synthetic import SHAPES, write_synthetic_checkpoint, write_synthetic_converted
 
-DECODE_PROMPT_TOKENS = 16  # each decode request's prompt
+DECODE_PROMPT_TOKENS = 16  # each decode request's prompt, by default
+LONG_CONTEXT_CHUNK = 8192  # prefill chunk of a long decode context (`--context`)
 # Decode samples: a synthetic model decoding greedily tends to repeat one token, so every step would route to the
 # experts of the step before and read them from the last-level cache (300 MB on the H200 host), not from memory.
 DECODE_SAMPLING = SamplingParams(temperature=1.0, seed=0)
@@ -135,7 +136,8 @@ def _time_steps(engine: Engine, timer: CpuExpertsTimer) -> tuple[float, list[flo
 def _decode(engine: Engine, prompts: list[list[int]], new_tokens: int, timer: CpuExpertsTimer):
     """(wall seconds, each step's seconds, decoded tokens) of the prompts' decode steps."""
     ids = [engine.add_request(p, DECODE_SAMPLING, max_tokens=new_tokens, ignore_eos=True) for p in prompts]
-    engine.step()  # the prompts: not part of the decode timing
+    while not all(engine.requests[i].output_ids for i in ids):
+        engine.step()  # the prompts (a long context takes several chunks): not part of the decode timing
     # The prompts' step leaves numba's OpenMP threads spinning for up to ~70 ms (`topology.WORKER_SPIN_COUNT`) on
     # the CPUs the decode pool spins on; the steady decode measured here has no prefill step before it.
     time.sleep(0.1)
@@ -186,10 +188,10 @@ def deferral_kl(llm: LLM, num_tokens: int = 256) -> float | None:
 
 
 def _measure_decode(engine: Engine, llm: LLM, args, timer: CpuExpertsTimer) -> dict:
-    """Decode of `args.batch` short prompts: timings, graph replays, the CPU's wait in graph steps, the CPU-experts
+    """Decode of `args.batch` prompts of `args.context` tokens: timings, graph replays, the CPU's wait in graph steps, the CPU-experts
     call in the engine and repeated, and the GPU-alone step."""
     vocab = llm.config.vocab_size
-    prompts = [torch.randint(vocab, (DECODE_PROMPT_TOKENS,)).tolist() for _ in range(args.batch)]
+    prompts = [torch.randint(vocab, (args.context,)).tolist() for _ in range(args.batch)]
     runner = engine.runner.graphs
     replays = runner.num_replays if runner else 0
     start = _graph_serving(engine)
@@ -286,11 +288,14 @@ def run(args) -> dict:
     if torch.device(args.device).type == "cuda":  # what LLM does, before the converter starts numba's pool
         use_kernel_threads(len(allowed_cpus()) - 1)
     path = converted_model(args)
-    config = from_namespace(EngineConfig, args, max_model_len=max(args.tokens + 64, 256))
+    context = args.context if args.mode == "decode" else 0
+    config = from_namespace(EngineConfig, args, max_model_len=max(context + args.tokens + 64, 256))
     llm = LLM(path, config=config)
     timer = timed_cpu_experts(llm)
-    engine = Engine(llm, max_num_batched_tokens=min(llm.max_model_len, max(args.tokens, 64)),
-                    max_num_seqs=max(args.batch, 1))
+    # a prefill runs in one step; a long decode context in chunks of the budget given (default up to 8192 tokens)
+    chunk = args.max_num_batched_tokens or (max(args.tokens, 64) if args.mode == "prefill" else
+                                            max(min(context, LONG_CONTEXT_CHUNK), 64))
+    engine = Engine(llm, max_num_batched_tokens=min(llm.max_model_len, chunk), max_num_seqs=max(args.batch, 1))
     _warm_up(engine, llm, args)
     bandwidth = _read_bandwidth(engine)
     read_before = bandwidth()
@@ -311,7 +316,7 @@ def run(args) -> dict:
     bound_s = expert_bytes_per_step(llm, routed_tokens) / read_bw + exposed_s
     if streamed_bytes is not None:  # the experts cross the link instead: its time is the floor
         bound_s = streamed_bytes / link_bw
-    return {"mode": args.mode, "model": str(path), "device": config.device, "batch": args.batch,
+    return {"mode": args.mode, "model": str(path), "device": config.device, "batch": args.batch, "context": context,
             "cuda_graph": engine.runner.graphs is not None, "decode_pool": _decode_pool(engine) is not None,
             "gpu_experts": llm.num_gpu_experts,
             "tokens_per_s": m["tokens"] / m["seconds"], "step_ms": step_s * 1e3, "steps": steps,
@@ -336,6 +341,10 @@ def main(argv: list[str], mode: str) -> int:
                              "every MoE layer loads), for shapes whose bf16 source does not fit beside it")
     parser.add_argument("--batch", type=int, default=1, help="decode: concurrent requests")
     parser.add_argument("--tokens", type=int, default=32 if mode == "decode" else 2048)
+    if mode == "decode":
+        parser.add_argument("--context", type=int, default=DECODE_PROMPT_TOKENS,
+                            help="each request's prompt tokens before the timed decode steps (long contexts are "
+                                 "prefilled in chunks of --max-num-batched-tokens)")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--json", action="store_true")
     # --expert-dtype is the synthetic conversion's here (the benchmark runs converted models)
@@ -350,7 +359,8 @@ def main(argv: list[str], mode: str) -> int:
     gpu = "" if row["gpu_only_ms"] is None else f", GPU alone {row['gpu_only_ms']:.2f}"
     rate = f"{row['read_gb_s']:.1f} GB/s read" if row["streamed_gb"] is None else \
         f"{row['streamed_gb']:.2f} GB streamed at {row['link_gb_s']:.1f} GB/s host-to-device"
-    print(f"{mode} on {row['device']}, batch {row['batch']}, graphs {row['cuda_graph']}, decode pool "
+    context = f", context {args.context}" if mode == "decode" else ""
+    print(f"{mode} on {row['device']}, batch {row['batch']}{context}, graphs {row['cuda_graph']}, decode pool "
           f"{row['decode_pool']}, GPU experts "
           f"{row['gpu_experts']}: {row['tokens_per_s']:.1f} tokens/s, step {row['step_ms']:.2f} ms (CPU experts "
           f"{row['cpu_experts_ms']:.2f}, rest {row['not_cpu_ms']:.2f}{gpu}); bound {row['bound_ms']:.2f} ms at "

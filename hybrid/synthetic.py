@@ -58,6 +58,27 @@ SHAPES: dict[str, dict] = {
         kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, rms_norm_eps=1e-6,
         max_position_embeddings=163840, rope_theta=10000.0, tie_word_embeddings=False, hidden_act="silu",
         scoring_func="sigmoid", topk_method="noaux_tc"),
+    # DeepSeek-V3.2: DeepSeek-V3 with the DSA indexer (64 heads x 128, top 2048) and YaRN to 160K (the release)
+    "deepseek-v3.2": dict(
+        architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32", vocab_size=129280, hidden_size=7168,
+        intermediate_size=18432, moe_intermediate_size=2048, n_routed_experts=256, n_shared_experts=1,
+        num_experts_per_tok=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True,
+        first_k_dense_replace=3, num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536,
+        kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, rms_norm_eps=1e-6,
+        max_position_embeddings=163840, rope_theta=10000.0,
+        rope_scaling=dict(type="yarn", factor=40, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1,
+                          mscale=1.0, mscale_all_dim=1.0),
+        index_topk=2048, index_head_dim=128, index_n_heads=64, tie_word_embeddings=False, hidden_act="silu",
+        scoring_func="sigmoid", topk_method="noaux_tc"),
+    # GLM-5 (744B-A40B): DSA with a 32-head indexer, qk_nope 192 / v 256, one expert group, 3 dense layers
+    "glm-5": dict(
+        architectures=["GlmMoeDsaForCausalLM"], model_type="glm_moe_dsa", vocab_size=154880, hidden_size=6144,
+        intermediate_size=12288, moe_intermediate_size=2048, n_routed_experts=256, n_shared_experts=1,
+        num_experts_per_tok=8, n_group=1, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+        first_k_dense_replace=3, num_attention_heads=64, num_key_value_heads=64, q_lora_rank=2048,
+        kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256, rms_norm_eps=1e-5,
+        max_position_embeddings=202752, rope_theta=1e6, index_topk=2048, index_head_dim=128, index_n_heads=32,
+        tie_word_embeddings=False, hidden_act="silu", scoring_func="sigmoid", topk_method="noaux_tc"),
     # Kimi-K2.5 / K2.6: the Kimi-K2 text model (DeepSeek-V3 with 384 experts, 64 heads, one expert group, one dense
     # layer) under the vision-language wrapper; the vision tower is not part of the synthetic checkpoint.
     "kimi-k2.5": dict(
@@ -301,9 +322,10 @@ def _fp8_codes(seed: int) -> torch.Tensor:
 
 def is_fp8_stored(name: str, shape: tuple[int, ...]) -> bool:
     """The tensors DeepSeek-V3's FP8 checkpoint stores in FP8: the 2-D Linear weights of the decoder layers
-    (attention, dense MLPs, shared and routed experts), not embeddings, lm_head, norms or the router (`*.gate`)."""
+    (attention, dense MLPs, shared and routed experts), not embeddings, lm_head, norms, the router (`*.gate`) or the
+    DSA indexer's head weights (`indexer.weights_proj`, 16-bit in DeepSeek-V3.2's release)."""
     return (len(shape) == 2 and name.endswith(".weight") and ".layers." in name and "norm" not in name
-            and not name.endswith(".gate.weight"))
+            and not name.endswith(".gate.weight") and not name.endswith("indexer.weights_proj.weight"))
 
 
 def _stored_tensors(name: str, shape: tuple[int, ...], is_fp8: bool) -> list[tuple[str, torch.dtype, tuple]]:
