@@ -159,6 +159,56 @@ def test_the_selection_decides_the_output(dsa):
     assert (sparse - dense).abs().max() > 1e-2 * sparse.abs().max()
 
 
+@pytest.fixture(scope="module")
+def dsa_kernels(dsa):
+    from gpu_support import DEVICE
+
+    arch, path, ref, _ = dsa
+    llm = LLM(path, device=str(DEVICE), dtype="float32", kernels="triton", expert_placement="device",
+              max_model_len=MAX_MODEL_LEN, max_num_seqs=4)
+    return arch, ref.to(DEVICE), llm
+
+
+def test_kernel_path_matches_transformers(dsa_kernels):
+    """`kernels="triton"` (under the interpreter without a GPU): the index-score and top-k kernels
+    (`gpu_layers.dsa`) and the sparse MLA kernel (`gpu_layers.mla_sparse`) for prefill and decode, then chunked
+    prefill across the top-k boundary."""
+    arch, ref, llm = dsa_kernels
+    assert llm.backends.attention.name == "triton"
+    for length in (7, 33, 200):
+        ids = prompt(length, seed=400 + length)
+        assert_logits_close(llm.prefill_logits(ids), hf_logits(ref, ids), f"{arch} kernels prefill of {length}")
+    ids = prompt(20, seed=101)
+    expected = hf_generate(ref, ids, NUM_GREEDY)
+    assert_same_tokens(llm.generate(ids, max_new_tokens=NUM_GREEDY, ignore_eos=True), expected, None,
+                       f"{arch} kernels greedy")
+    engine = Engine(llm, max_num_batched_tokens=16, max_num_seqs=2)  # a 40-token prompt in three chunks
+    try:
+        ids = prompt(40, seed=140)
+        assert engine.generate([ids], max_tokens=8, ignore_eos=True)[0] == hf_generate(ref, ids, 8)
+    finally:
+        engine.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_graph_decode_equals_eager(dsa):
+    """Decode replayed as CUDA graphs (which always select: the graph is captured at max_model_len) gives the eager
+    engine's tokens over 100 steps, batched, contexts below and above top-k."""
+    _, path, _, _ = dsa
+    prompts = [prompt(n, seed=90 + n) for n in (3, 9, 21, 40)]
+    outputs = {}
+    for is_graph in (False, True):
+        llm = LLM(path, device="cuda", dtype="bfloat16", kernels="triton", expert_placement="device",
+                  max_model_len=MAX_MODEL_LEN, max_num_seqs=4, cuda_graph=is_graph)
+        engine = Engine(llm, max_num_batched_tokens=64, max_num_seqs=4)
+        try:
+            outputs[is_graph] = engine.generate(prompts, max_tokens=100, ignore_eos=True)
+            assert (engine.runner.graphs is not None and engine.runner.graphs.num_replays > 0) == is_graph
+        finally:
+            engine.close()
+    assert outputs[True] == outputs[False]
+
+
 # --- the engine: the index-key cache in the layer's pages --------------------------------------------------------
 
 

@@ -134,6 +134,11 @@ class TritonAttentionBackend(_TorchGatedDeltaNet):
         if block_size & (block_size - 1):
             return False
         if cfg.kind == "mla":
+            if cfg.indexer is not None and not cfg.indexer.is_shared:
+                from gpu_layers import dsa
+
+                if not dsa.supports_dims(cfg.indexer.num_heads, cfg.indexer.head_dim):
+                    return False
             return mla.supports_dims(cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank)
         return (attention.supports_head_dims(cfg.head_dim, cfg.v_head_dim)
                 and cfg.num_heads // cfg.num_kv_heads <= attention.MAX_GROUP)
