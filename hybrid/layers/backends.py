@@ -193,9 +193,10 @@ class TritonAttentionBackend(_TorchGatedDeltaNet):
         from gpu_layers import dsa
 
         self.kv_cache.write_kv_cache(index_cache, k.unsqueeze(1), batch.slot_mapping)
-        # a captured decode step sees max_model_len here: it always selects, whatever the replayed lengths
+        # Decode always selects, as a captured decode step must (it is replayed at every length): eager and graph
+        # decode run the same kernels. A prefill step within top-k runs dense attention.
         max_context = max(batch.seq_lens_cpu)
-        if max_context <= topk:
+        if max_context <= topk and max(batch.query_lens_cpu) > 1:
             return None
         row_seq, row_limit = batch.token_rows()
         return dsa.index_topk(q, weights, index_cache, batch.block_tables, row_seq, row_limit, scale, max_context,
