@@ -20,7 +20,7 @@ import sys
 import torch
 
 MODULES = ("norm", "activation", "rotary", "routing", "kv_cache", "attention", "mla", "fused_moe", "linear",
-           "delta_net")
+           "delta_net", "dsa")
 
 
 def _median_ms(fn) -> float:
