@@ -192,11 +192,12 @@ def topk_gather_kernel(scores, counts, out, candidates, row_limit, stride_s, max
     bins = _coarse_bin(values)
     is_above = (is_visible & (bins > threshold)).to(tl.int32)
     is_candidate = (is_visible & (bins == threshold)).to(tl.int32)
-    first = tl.atomic_add(counts_row + _NUM_BINS, tl.sum(is_above, 0), sem="relaxed")
-    tl.store(out + n.to(tl.int64) * k + first + tl.cumsum(is_above, 0) - 1, pos, mask=is_above != 0)
-    first = tl.atomic_add(counts_row + _NUM_BINS + 1, tl.sum(is_candidate, 0), sem="relaxed")
-    tl.store(candidates + n.to(tl.int64) * max_context + first + tl.cumsum(is_candidate, 0) - 1, pos,
-             mask=is_candidate != 0)
+    # Slots are bounded (fewer than k above, at most L candidates) so that no inconsistency writes past a row.
+    slot = tl.atomic_add(counts_row + _NUM_BINS, tl.sum(is_above, 0), sem="relaxed") + tl.cumsum(is_above, 0) - 1
+    tl.store(out + n.to(tl.int64) * k + slot, pos, mask=(is_above != 0) & (slot < k))
+    slot = tl.atomic_add(counts_row + _NUM_BINS + 1, tl.sum(is_candidate, 0), sem="relaxed")
+    slot += tl.cumsum(is_candidate, 0) - 1
+    tl.store(candidates + n.to(tl.int64) * max_context + slot, pos, mask=(is_candidate != 0) & (slot < max_context))
 
 
 @triton.jit
@@ -222,13 +223,15 @@ def _load_candidates(scores_row, candidates_row, start, size, BLOCK_R: tl.conste
 
 
 @triton.jit
-def _compact(out_row, pos, keys, is_valid, threshold, num_equal_wanted, num_written, num_equal_seen):
+def _compact(out_row, capacity, pos, keys, is_valid, threshold, num_equal_wanted, num_written, num_equal_seen):
     """Writes the positions whose key is above the threshold, and those equal to it while fewer than
-    num_equal_wanted were taken, at out_row[num_written:]. Returns the updated counts."""
+    num_equal_wanted were taken, at out_row[num_written:capacity]. Returns the updated counts."""
     is_equal = (is_valid & (keys == threshold)).to(tl.int32)
     equal_rank = num_equal_seen + tl.cumsum(is_equal, 0) - 1
     is_taken = ((is_valid & (keys > threshold)) | ((is_equal != 0) & (equal_rank < num_equal_wanted))).to(tl.int32)
-    tl.store(out_row + num_written + tl.cumsum(is_taken, 0) - 1, pos, mask=is_taken != 0)
+    slot = num_written + tl.cumsum(is_taken, 0) - 1
+    # The counts fill the row exactly; the bound keeps any inconsistency from writing into the next row.
+    tl.store(out_row + slot, pos, mask=(is_taken != 0) & (slot < capacity))
     return num_written + tl.sum(is_taken, 0), num_equal_seen + tl.sum(is_equal, 0)
 
 
@@ -268,11 +271,12 @@ def topk_refine_kernel(scores, counts, out, candidates, row_limit, stride_s, max
     # `threshold` is the exact key of the wanted-th largest candidate; `wanted` of the candidates equal to it are
     # needed besides all that are greater.
     out_tail = out_row + above
-    num_written, num_equal_seen = _compact(out_tail, first_pos, first_keys, first_valid, threshold, wanted, 0, 0)
+    num_written, num_equal_seen = _compact(out_tail, k - above, first_pos, first_keys, first_valid, threshold,
+                                           wanted, 0, 0)
     for start in range(BLOCK_R, size, BLOCK_R):
         pos, keys, is_valid = _load_candidates(scores_row, candidates_row, start, size, BLOCK_R)
-        num_written, num_equal_seen = _compact(out_tail, pos, keys, is_valid, threshold, wanted, num_written,
-                                               num_equal_seen)
+        num_written, num_equal_seen = _compact(out_tail, k - above, pos, keys, is_valid, threshold, wanted,
+                                               num_written, num_equal_seen)
 
 
 # ---------------------------------------------------------------------------------------------------- launchers

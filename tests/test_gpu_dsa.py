@@ -134,12 +134,15 @@ def test_select_ties_at_the_boundary():
     """The k-th largest is one of many equal scores: any of them may fill the last slots (checked by the
     contract), never a lower one, every higher one taken; also with zeros of both signs."""
     gen = torch.Generator().manual_seed(4)
-    scores = torch.where(torch.rand(3, 4000, generator=gen) < 0.5, 2.0, torch.rand(3, 4000, generator=gen))
+    scores = torch.where(torch.rand(4, 4000, generator=gen) < 0.5, 2.0, torch.rand(4, 4000, generator=gen))
     scores[1] = torch.where(scores[1] == 2.0, 0.0, -scores[1])
     scores[1, ::3] = -0.0
     scores[2, :100] = 5.0
-    out = run_select(scores, [4000, 3999, 4000], 1000)
-    assert set(range(100)) <= set(out[2].tolist())
+    # Greater scores in the boundary's own coarse bin, after its equal ones in position order.
+    scores[3] = torch.where(torch.rand(4000, generator=gen) < 0.75, 1.0, torch.rand(4000, generator=gen) * 0.5)
+    scores[3, -200:] = 1.01
+    out = run_select(scores, [4000, 3999, 4000, 4000], 1000)
+    assert set(range(100)) <= set(out[2].tolist()) and set(range(3800, 4000)) <= set(out[3].tolist())
 
 
 def test_select_one_coarse_bin_holds_everything():
