@@ -2,11 +2,11 @@
 
 The model is a converted directory (`--model`) or a synthetic one built and converted on the fly by shape
 (`--synthetic qwen3-30b-a3b --layers 2`, cached under `--workdir`). Decode: `--batch` requests, each a prompt of
-`--context` tokens (default a short one) then `--tokens` decode steps, sampled; prefill: one prompt of `--tokens` tokens. Per step the wall time is split
-into the CPU experts' compute (timed on the threads that run them) and the rest; the bound of a decode step is the
-routed experts' bytes read per step over the memory read bandwidth measured in the same run, just before and just
-after the timed steps (`cpu_experts.bench.ReadBandwidth`), plus the time outside the CPU experts that does not
-overlap them (on a CPU-only machine: all of it).
+`--context` tokens (default a short one) then `--tokens` decode steps, sampled; prefill: one prompt of `--tokens`
+tokens. Per step the wall time is split into the CPU experts' compute (timed on the threads that run them) and the
+rest; the bound of a decode step is the routed experts' bytes read per step over the memory read bandwidth measured
+in the same run, just before and just after the timed steps (`cpu_experts.bench.ReadBandwidth`), plus the time
+outside the CPU experts that does not overlap them (on a CPU-only machine: all of it).
 """
 
 from __future__ import annotations
@@ -188,8 +188,8 @@ def deferral_kl(llm: LLM, num_tokens: int = 256) -> float | None:
 
 
 def _measure_decode(engine: Engine, llm: LLM, args, timer: CpuExpertsTimer) -> dict:
-    """Decode of `args.batch` prompts of `args.context` tokens: timings, graph replays, the CPU's wait in graph steps, the CPU-experts
-    call in the engine and repeated, and the GPU-alone step."""
+    """Decode of `args.batch` prompts of `args.context` tokens: timings, graph replays, the CPU's wait in graph
+    steps, the CPU-experts call in the engine and repeated, and the GPU-alone step."""
     vocab = llm.config.vocab_size
     prompts = [torch.randint(vocab, (args.context,)).tolist() for _ in range(args.batch)]
     runner = engine.runner.graphs
