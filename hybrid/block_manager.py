@@ -205,7 +205,7 @@ class StateSnapshotPool:
         return row
 
     def drop(self, key: bytes) -> None:
-        """The page of `key` left the prefix cache: its snapshot goes too (no hit can reach it any more)."""
+        """The page of `key` left the prefix cache: its snapshot goes too (a hit needs the page as well)."""
         row = self._row_of.pop(key, None)
         if row is not None:
             self._free.append(row)

@@ -108,10 +108,10 @@ class ModelRunner:
             batches[-1].append((source, target))
             targets.add(target)
         for batch in filter(None, batches):
-            sources, targets_ = (torch.tensor(rows, device=self.device) for rows in zip(*batch, strict=True))
+            source_rows, target_rows = (torch.tensor(rows, device=self.device) for rows in zip(*batch, strict=True))
             for pools in self.llm.state_caches:
                 for pool in pools:
-                    pool.index_copy_(0, targets_, pool.index_select(0, sources))
+                    pool.index_copy_(0, target_rows, pool.index_select(0, source_rows))
 
     def finish_step(self) -> None:
         """After the host has read the step's logits: a graph step's CPU side is checked."""

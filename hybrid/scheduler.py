@@ -10,8 +10,11 @@ When a running request needs a page and none is free, the newest running request
 and it waits again at the head of the queue, to be recomputed (its tokens so far are kept); a windowed group short
 of pages only shrinks a prefill chunk. A model with recurrent layers also gives each running request a state slot
 (`CacheGroupBlocks.state_slots`), taken on admission and given back on finish, preemption or cancellation (a
-preempted request recomputes its states from its first token); with no slot free, admission waits, as it does for
-pages. Nothing here touches torch.
+preempted request recomputes its states from its first token, or from its prefix hit); with no slot free,
+admission waits, as it does for pages. Such a model's prefix hits resume from state snapshots
+(`CacheGroupBlocks.snapshots`), taken where a step ends on a page boundary (`_snapshot`; a prefill chunk ends at its
+prompt's last page boundary for it, `_chunk`) and restored on admission: the scheduler queues the row copies
+(`take_state_copies`) and the model runner makes them between steps. Nothing here touches torch.
 """
 
 from __future__ import annotations

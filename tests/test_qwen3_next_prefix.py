@@ -77,6 +77,20 @@ def test_match_prefix_stops_at_the_latest_snapshot():
     assert not off.enable_prefix_caching and off.snapshots is None
 
 
+def test_state_copies_apply_in_order():
+    """The runner batches the queued row copies, yet a copy that reads or rewrites an earlier one's target runs after
+    it: the last copy to a row wins, and a row copied on carries what was just copied into it."""
+    from types import SimpleNamespace
+
+    from hybrid.model_runner import ModelRunner
+
+    pools = (torch.arange(5.0).repeat_interleave(4).view(5, 2, 2), torch.arange(5.0).view(5, 1, 1))
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.device, runner.llm = "cpu", SimpleNamespace(state_caches=[pools])
+    runner.copy_states([(0, 2), (1, 2), (2, 3), (4, 0)])
+    assert [pool.flatten(1)[:, 0].tolist() for pool in pools] == [[4.0, 1.0, 1.0, 1.0, 4.0]] * 2
+
+
 def _generate(engine, prompts, max_tokens):
     """Runs the prompts together; (their output ids, the requests)."""
     ids = [engine.add_request(p, max_tokens=max_tokens, ignore_eos=True) for p in prompts]
