@@ -36,10 +36,11 @@ def write_qwen3_next(transformers, path, **dims):
     return model
 
 
-def write_qwen3_5(transformers, path):
-    """Saves a perturbed random Qwen3_5MoeForConditionalGeneration (TEXT, VISION) under `path`; returns it."""
+def write_qwen3_5(transformers, path, **dims):
+    """Saves a perturbed random Qwen3_5MoeForConditionalGeneration (TEXT with `dims` changed, VISION) under `path`;
+    returns it."""
     torch.manual_seed(0)
-    config = transformers.Qwen3_5MoeConfig(text_config=TEXT, vision_config=VISION)
+    config = transformers.Qwen3_5MoeConfig(text_config=TEXT | dims, vision_config=VISION)
     model = perturbed(transformers.Qwen3_5MoeForConditionalGeneration(config))
     model.save_pretrained(path)
     return model
