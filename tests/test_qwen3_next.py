@@ -75,7 +75,7 @@ def _reference_greedy(model, prompt: list[int]) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def nextmake_llm(qwen3_next):
+def next_llm(qwen3_next):
     return make_llm(qwen3_next[0])
 
 
