@@ -11,9 +11,10 @@ A stored expert that holds NaN (NaN codes or scales) is refused, naming the tens
 A model whose experts are stored fused per layer (gpt-oss) says so with `fused_experts_prefix(layer)`: its layers
 are read by `native_experts.read_gpt_oss_layer` (with the biases and activation its spec carries:
 `expert_activation`, `has_expert_bias`), and its expert tensors are skipped by the dense load (the model's
-`is_ignored_tensor`), so they are not named here. Qwen3.5's fused 3-D float experts (`MoEConfig.has_fused_storage`:
-`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]) are read expert by expert and quantized
-(`native_experts.read_fused_layer`); their two names per layer are the ones this loader takes.
+`is_ignored_tensor`), so they are not named here. Qwen3.5's fused 3-D experts (`MoEConfig.has_fused_storage`:
+`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]; float, or FP8 with `*_scale_inv` block scales)
+are read expert by expert, FP8 copied as stored, float quantized (`native_experts.read_fused_layer`); their two
+names per layer are the ones this loader takes (the scales are their parts).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from hybrid.checkpoint import Checkpoint
 from hybrid.native_experts import (
     ExpertFormat,
     for_each_expert,
+    fused_fp8_source,
     gpt_oss_source,
     projection_parts,
     read_fused_layer,
@@ -76,8 +78,8 @@ def expert_format(model, ckpt: Checkpoint, expert_dtype: str) -> ExpertFormat:
     """The CPU experts' format for `expert_dtype` (see `hybrid.native_experts.resolve`) over this checkpoint."""
     if is_fused(model):
         source = gpt_oss_source(ckpt, model.fused_experts_prefix(model.config.moe_layer_indices[0]))
-    elif has_fused_3d(model):
-        source = None  # float values: quantized to the engine's expert_dtype (int8 by default)
+    elif has_fused_3d(model):  # FP8 blocks (kept as stored by default), or float values (quantized, int8 default)
+        source = fused_fp8_source(ckpt, _experts_prefix(model, model.config.moe_layer_indices[0]))
     else:
         source = source_format(ckpt, [name for *_, name in routed_names(model)])
     return resolve(source, expert_dtype, flag="--expert-dtype")

@@ -32,8 +32,9 @@ from cpu_experts.expert_file import (
     dequantize_matrix,
     quantize_matrix,
 )
-from hybrid.checkpoint import Checkpoint
+from hybrid.checkpoint import FP8_SCALE_SUFFIX, Checkpoint
 from hybrid.errors import CheckpointError, ConfigError
+from hybrid.stored_matrix import Layout, PartError, StoredMatrix, decode
 
 # the group a format is quantized to when nothing else says (int8: one scale per output channel)
 DEFAULT_GROUPS = {"int8": 0, "int4": 128, "fp8": 128, "bf16": 0} | FIXED_GROUP
@@ -156,11 +157,25 @@ def projection_parts(ckpt: Checkpoint, name: str, role: str, spec: ExpertLayerSp
             yield part, tensor, first
 
 
+def fused_fp8_source(ckpt: Checkpoint, prefix: str) -> SourceFormat | None:
+    """FP8 where the checkpoint stores a layer's fused 3-D experts under `prefix` as float8 with block scales
+    (transformers' FP8 experts: `gate_up_proj` [E, 2I, H] and `gate_up_proj_scale_inv` [E, ceil(2I / bn),
+    ceil(H / bk)] float32, `down_proj` [E, H, I] and `down_proj_scale_inv` likewise, blocks
+    `quantization_config.weight_block_size`), else None (float experts)."""
+    name = f"{prefix}.gate_up_proj"
+    if ckpt.fp8_block is None or name not in ckpt.files or ckpt.info(name).dtype != torch.float8_e4m3fn:
+        return None
+    return SourceFormat("fp8", ckpt.fp8_block[1], "float32")
+
+
 def read_fused_layer(ckpt: Checkpoint, prefix: str, spec: ExpertLayerSpec, check: Check | None = None,
                      num_threads: int = 1) -> dict[str, torch.Tensor]:
-    """One layer of experts stored as fused 3-D float tensors under `prefix` (Qwen3.5: `gate_up_proj` [E, 2I, H],
-    gate rows first, `down_proj` [E, H, I]) -> the expert file's stacked tensors, quantized to `spec` expert by
-    expert, each expert's rows read alone (a layer's bf16 experts are gigabytes), `num_threads` experts at a time."""
+    """One layer of experts stored as fused 3-D tensors under `prefix` (Qwen3.5: `gate_up_proj` [E, 2I, H], gate
+    rows first, `down_proj` [E, H, I]; float, or FP8 with block scales: `fused_fp8_source`) -> the expert file's
+    stacked tensors, expert by expert, each expert's rows read alone (a layer's bf16 experts are gigabytes),
+    `num_threads` experts at a time. FP8 experts are copied as stored where `spec` is their FP8 format (the block
+    scales repeated over their rows, so gate and up may split a block), else dequantized and quantized to `spec`;
+    float ones are quantized to `spec`."""
     names = {"gate_up": f"{prefix}.gate_up_proj", "down": f"{prefix}.down_proj"}
     inter = spec.intermediate_size
     expected = {"gate_up": (spec.num_experts, 2 * inter, spec.hidden_size),
@@ -171,19 +186,50 @@ def read_fused_layer(ckpt: Checkpoint, prefix: str, spec: ExpertLayerSpec, check
         if tuple(ckpt.info(name).shape) != expected[key]:
             raise CheckpointError(f"{ckpt.file_of(name)}: '{name}' has shape {tuple(ckpt.info(name).shape)}, "
                                   f"expected {expected[key]}")
+    source = fused_fp8_source(ckpt, prefix)
+    is_passthrough = source is not None and (spec.dtype, spec.group_size, spec.scale_dtype) == \
+        (source.dtype, source.group_size, source.scale_dtype)
     tensors = {name: memory.empty_tensor(shape, dtype) for name, (shape, dtype) in spec.tensor_shapes().items()}
+    rows = {"gate": ("gate_up", slice(0, inter)), "up": ("gate_up", slice(inter, 2 * inter)),
+            "down": ("down", slice(None))}
 
     def one_expert(expert: int) -> None:
-        gate_up = ckpt.read_row(names["gate_up"], expert)  # [2I, H]
-        down = ckpt.read_row(names["down"], expert)  # [H, I]
-        _check(check, names["gate_up"], gate_up)
-        _check(check, names["down"], down)
-        for role, weight in (("gate", gate_up[:inter]), ("up", gate_up[inter:]), ("down", down)):
-            for part, tensor in quantize_matrix(weight.float(), spec).items():
-                tensors[f"{role}.{part}"][expert].copy_(tensor)
+        if source is not None:
+            stored = {key: _fused_fp8_matrix(ckpt, name, expert, check) for key, name in names.items()}
+            for role, (key, part) in rows.items():
+                if is_passthrough:
+                    tensors[f"{role}.weight"][expert].copy_(stored[key].weight[part])
+                    tensors[f"{role}.scales"][expert].copy_(stored[key].scales[part])
+                    continue
+                for name, tensor in quantize_matrix(stored[key].dequantize()[part], spec).items():
+                    tensors[f"{role}.{name}"][expert].copy_(tensor)
+            return
+        weights = {key: ckpt.read_row(name, expert) for key, name in names.items()}  # [2I, H], [H, I]
+        for key, name in names.items():
+            _check(check, name, weights[key])
+        for role, (key, part) in rows.items():
+            for name, tensor in quantize_matrix(weights[key][part].float(), spec).items():
+                tensors[f"{role}.{name}"][expert].copy_(tensor)
 
     for_each_expert(one_expert, spec.num_experts, num_threads)
     return tensors
+
+
+def _fused_fp8_matrix(ckpt: Checkpoint, name: str, expert: int, check: Check | None) -> StoredMatrix:
+    """Expert `expert`'s matrix of fused FP8 tensor `name` and its `_scale_inv` blocks, decoded (bits kept; the
+    block scales repeated over their rows)."""
+    block_rows, block_cols = ckpt.fp8_block
+    scale_name = name + FP8_SCALE_SUFFIX
+    if scale_name not in ckpt.files:
+        raise CheckpointError(f"{ckpt.file_of(name)}: FP8 expert tensor '{name}' has no '{scale_name}'")
+    parts = {"weight": ckpt.read_row(name, expert), "weight_scale_inv": ckpt.read_row(scale_name, expert)}
+    stored = {"weight": name, "weight_scale_inv": scale_name}
+    layout = Layout("deepseek-fp8", "fp8", block_cols, "float32", block_rows)
+    try:
+        return decode(parts, layout, None, check and (lambda part, tensor: check(stored[part], tensor)))
+    except PartError as exc:
+        raise CheckpointError(f"{ckpt.file_of(stored[exc.part])}: '{stored[exc.part]}' of expert {expert} "
+                              f"{exc.detail}") from None
 
 
 def for_each_expert(fill: Callable[[int], None], num_experts: int, num_threads: int) -> None:
