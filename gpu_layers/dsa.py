@@ -7,26 +7,25 @@ Data flow (N rows, Hi indexer heads, Di = 128, L = max_context):
 - `index_scores_kernel`, one program per (row, tile of BLOCK_N keys): the row's q [Hi, Di] against the key tile
   gathered through the block table, one tl.dot (fp32 accumulation), relu, the weighted sum over heads. Tiles at or
   past the row's limit return at once (the grid is sized from the host int L, max_model_len in a captured decode).
-  Run from `index_topk`, it also adds the tile's coarse histogram (below) into the row's [256] counts and skips
-  the -inf stores, which nothing reads.
-- `select_topk`: a radix select. Each score's order-preserving key (signed int32, for negatives the low 31 bits
-  flipped) is first binned coarsely by the top byte of the same key of the score rounded to float16 (sign, the
-  5 exponent bits, 2 mantissa bits: bins a quarter of an octave wide, monotone in the score). From the row's
-  coarse histogram every program finds the bin holding the k-th largest score; `topk_gather_kernel`, one program
-  per tile, writes the positions of the bins above it straight to the output (slots from one atomic counter per
-  row) and the threshold bin's positions to a scratch list (typically a few hundred to a few thousand). Then
-  `topk_refine_kernel`, one program per row, refines only those candidates: four 8-bit histogram passes over
-  their 32-bit keys, most significant first, narrow to the k-th largest key exactly, and a compaction pass
-  writes the candidates above it and the first of those equal to it (tl.cumsum offsets). The first BLOCK_R
-  candidates stay in registers across the passes; more are re-read from the scratch list.
-  `select_topk` on given scores builds the coarse histogram with `topk_histogram_kernel` first.
-- `index_topk` runs the three kernels on chunks of rows sized so the float32 scores and int32 candidates stay
-  under a budget (256 MiB): a prefill chunk of 8192 rows at 128K context would take 8 GiB otherwise.
+  Run from `index_topk`, it also makes the select's first radix histogram (below) and skips the -inf stores,
+  which nothing reads.
+- `select_topk`: a radix select over each score's order-preserving 32-bit key (signed int32; for negatives the
+  low 31 bits flipped; -0.0 made +0.0 first, as the reference's == sees them), one 8-bit digit a pass, most
+  significant first. Pass p (`topk_pass_kernel`, one program per (row, tile of BLOCK_G scores)) re-reads the row
+  and histograms digit p of the keys whose higher digits match the prefix found so far, adding each tile's counts
+  to the row's [256] histogram with atomics. Every program of a pass derives the prefix itself from the previous
+  pass's histogram (and the state the previous pass stored), so no program waits for another; the row is small
+  beside the bandwidth (512 KiB at 128K), so four full passes cost their launches and not their bytes, whatever
+  the scores' distribution. Pass 3 also stores, per tile, how many of its keys are above each candidate threshold
+  (its above-the-bucket count plus the bucket's counts at or above each last digit). `topk_gather_kernel` then
+  knows the exact k-th largest key T and how many keys equal to it are wanted; each program sums the earlier
+  tiles' counts at T (its offset) and writes its selected positions in order: the output is sorted by position,
+  and ties at T go to the lowest positions. No atomics decide a slot: the selection is deterministic.
+- `index_topk` runs the scores and the select on chunks of rows sized so the float32 scores and the per-tile
+  counts stay under a budget (256 MiB): a prefill chunk of 8192 rows at 128K context would take 4 GiB otherwise.
 
-Rows with at most k visible tokens select them all (positions 0..limit-1, then -1). Ties: exact as a set where the
-k-th and (k+1)-th largest scores differ; otherwise the boundary's equal scores are taken in the scratch list's
-order, which the atomics make run-dependent. -0.0 orders below +0.0. Every launch's grid comes from shapes and
-host ints and nothing reads the device on the host: CUDA-graph capturable.
+Rows with at most k visible tokens select them all (positions 0..limit-1, then -1). Every launch's grid comes from
+shapes and host ints and nothing reads the device on the host: CUDA-graph capturable.
 """
 
 from __future__ import annotations
@@ -39,13 +38,17 @@ import triton.language as tl
 
 from gpu_layers.capability import CAPABILITIES, GateCase, capability_of, select
 
-NUM_BINS = 256  # the coarse and the refining histograms alike: one 8-bit digit
+NUM_BINS = 256  # one 8-bit digit of the 32-bit key per pass
 _NUM_BINS = tl.constexpr(NUM_BINS)
-COUNTS_STRIDE = NUM_BINS + 4  # a row's coarse histogram, its two list counters (16-byte aligned rows)
-_COUNTS_STRIDE = tl.constexpr(COUNTS_STRIDE)
+NUM_PASSES = 4
+_STATE = tl.constexpr(NUM_PASSES * NUM_BINS)  # a row's histograms, then (prefix, wanted) after passes 1, 2, 3
+ROW_STRIDE = NUM_PASSES * NUM_BINS + 8  # int32s a row: 4 histograms, 3 states, 16-byte aligned
+_ROW_STRIDE = tl.constexpr(ROW_STRIDE)
+TILE_STRIDE = NUM_BINS + 4  # int32s a tile of pass 3: at or above each last digit, then above the bucket
+_TILE_STRIDE = tl.constexpr(TILE_STRIDE)
 MAX_HEADS = 64  # DeepSeek-V3.2; GLM-5 has 32
 MAX_HEAD_DIM = 128
-SCORE_BUDGET_BYTES = 256 << 20  # index_topk's scores + candidates per chunk of rows
+SCORE_BUDGET_BYTES = 256 << 20  # index_topk's scores + per-tile counts per chunk of rows
 
 TRITON_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
@@ -59,10 +62,9 @@ class ScoresConfig:
 
 @dataclass(frozen=True)
 class SelectConfig:
-    block_g: int  # scores per program of the histogram and gather kernels
-    gather_warps: int
-    block_r: int  # candidates per refining step; the first block stays in registers
-    refine_warps: int
+    block_g: int  # scores per program of the radix passes and the gather (a row's tile)
+    num_warps: int
+    block_t: int  # earlier tiles' counts summed per step of the gather's offset
 
 
 # Keyed by capability, then the cache's element size. One tile per program, no loop to pipeline: occupancy hides
@@ -73,33 +75,35 @@ SCORES_CONFIGS = {
     90: {2: ScoresConfig(64, 128, 4), 4: ScoresConfig(64, 32, 8)},
     120: {2: ScoresConfig(64, 128, 4), 4: ScoresConfig(64, 32, 8)},
 }
+
+# Tiles of 1024: 128 programs a row at 128K, about one per SM of an H200 at batch 1.
 SELECT_CONFIGS = {
-    89: SelectConfig(2048, 8, 4096, 16),
-    90: SelectConfig(2048, 8, 4096, 16),
-    120: SelectConfig(2048, 8, 4096, 16),
+    89: SelectConfig(1024, 4, 128),
+    90: SelectConfig(1024, 4, 128),
+    120: SelectConfig(1024, 4, 128),
 }
 
 
 @triton.jit
-def _coarse_bin(score):
-    """0..255, non-decreasing in the score: the top byte of the order-preserving key of its float16 rounding."""
-    bits = score.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
-    key = tl.where(bits < 0, bits ^ 0x7FFF, bits)  # signed order is the float order
-    return (key + 32768) >> 8
-
-
-@triton.jit
 def _sortable_key(score):
-    """int32 whose signed order is the float order of the score (-0.0 just below +0.0)."""
-    bits = score.to(tl.int32, bitcast=True)
+    """int32 whose signed order is the float order of the score; -0.0 and +0.0 are one key."""
+    bits = tl.where(score == 0.0, 0.0, score).to(tl.int32, bitcast=True)
     return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
 
 
 @triton.jit
-def _add_histogram(counts_row, values, mask):
-    counts = tl.histogram(values, _NUM_BINS, mask=mask)
-    # A tile's scores fall in few bins: atomics only where it has any.
-    tl.atomic_add(counts_row + tl.arange(0, _NUM_BINS), counts, mask=counts > 0, sem="relaxed")
+def _digit(keys, SHIFT: tl.constexpr):
+    """The 8-bit digit at SHIFT of the unsigned key (the signed key with its sign bit flipped): digit order is
+    key order."""
+    if SHIFT == 24:
+        return ((keys >> 24) & 0xFF) ^ 0x80
+    return (keys >> SHIFT) & 0xFF
+
+
+@triton.jit
+def _add_counts(histogram, counts):
+    # A tile's keys fall in few bins: atomics only where it has any.
+    tl.atomic_add(histogram + tl.arange(0, _NUM_BINS), counts, mask=counts > 0, sem="relaxed")
 
 
 @triton.jit
@@ -109,7 +113,7 @@ def index_scores_kernel(
     H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr, FOR_SELECT: tl.constexpr,
 ):
-    """One program: row n, keys [start, start + BLOCK_N). FOR_SELECT: also the tile's coarse histogram into
+    """One program: row n, keys [start, start + BLOCK_N). FOR_SELECT: also the tile's pass-0 radix histogram into
     counts[n] (rows with more than min_selecting visible keys only), and no -inf stores past the limit."""
     n = tl.program_id(0)
     start = tl.program_id(1) * BLOCK_N
@@ -142,141 +146,118 @@ def index_scores_kernel(
     if FOR_SELECT:
         tl.store(row_scores + pos, tile, mask=is_visible)
         if limit > min_selecting:
-            _add_histogram(counts + n * _COUNTS_STRIDE, _coarse_bin(tile), is_visible)
+            counts_row = counts + n * _ROW_STRIDE
+            _add_counts(counts_row, tl.histogram(_digit(_sortable_key(tile), 24), _NUM_BINS, mask=is_visible))
     else:
         tl.store(row_scores + pos, tile, mask=pos < max_context)
 
 
 @triton.jit
-def topk_histogram_kernel(scores, counts, row_limit, stride_s, max_context, k, BLOCK_G: tl.constexpr):
-    """One program: the coarse histogram of row n's visible scores [start, start + BLOCK_G) into counts[n]."""
-    n = tl.program_id(0)
-    start = tl.program_id(1) * BLOCK_G
-    limit = tl.minimum(tl.load(row_limit + n), max_context)
-    if start >= limit or limit <= k:
-        return
-    pos = start + tl.arange(0, BLOCK_G)
-    is_visible = pos < limit
-    values = tl.load(scores + n.to(tl.int64) * stride_s + pos, mask=is_visible, other=0.0)
-    _add_histogram(counts + n * _COUNTS_STRIDE, _coarse_bin(values), is_visible)
-
-
-@triton.jit
-def _threshold_bin(counts_row, k):
-    """From a row's coarse histogram: the bin holding its k-th largest score, and how many scores lie above it."""
+def _next_digit(counts_row, prefix, wanted, PASS: tl.constexpr):
+    """From pass PASS's histogram of the keys matching `prefix` (digits 0..PASS-1, the rest zero): the digit of
+    the wanted-th largest of them. Returns the prefix with that digit, and how many keys matching it are wanted
+    (the wanted-th largest less those above its digit)."""
     bins = tl.arange(0, _NUM_BINS)
-    counts = tl.load(counts_row + bins)
+    counts = tl.load(counts_row + PASS * _NUM_BINS + bins)
     at_or_above = tl.cumsum(counts, 0, reverse=True)
-    threshold = tl.max(tl.where(at_or_above >= k, bins, -1), 0)
-    above = tl.sum(tl.where(bins > threshold, counts, 0), 0)
-    size = tl.sum(tl.where(bins == threshold, counts, 0), 0)
-    return threshold, above, size
+    digit = tl.max(tl.where(at_or_above >= wanted, bins, -1), 0)
+    wanted -= tl.sum(tl.where(bins > digit, counts, 0), 0)
+    # The key's top byte is signed: the unsigned digit less 128 (no int32 overflow in the shift).
+    if PASS == 0:
+        prefix = (digit - 128) * (1 << 24)
+    else:
+        prefix += digit * (1 << (24 - 8 * PASS))
+    return prefix, wanted
 
 
 @triton.jit
-def topk_gather_kernel(scores, counts, out, candidates, row_limit, stride_s, max_context, k,
-                       BLOCK_G: tl.constexpr):
-    """One program: scores [start, start + BLOCK_G) of row n (one with more than k visible). Positions in bins
-    above the threshold bin go to out[n] (slots from the row's counter), the threshold bin's to candidates[n]
-    (slots from its counter)."""
+def _prefix_before(counts_row, k, PASS: tl.constexpr):
+    """(prefix, wanted) over digits 0..PASS-1, from pass PASS-1's histogram and the state pass PASS-1 stored
+    (passes from 2 on store theirs; the gather, PASS 4, stores none)."""
+    if PASS == 1:
+        prefix, wanted = _next_digit(counts_row, 0, k, 0)
+    else:
+        state = counts_row + _STATE + 2 * (PASS - 2)
+        prefix, wanted = _next_digit(counts_row, tl.load(state), tl.load(state + 1), PASS - 1)
+    if PASS < 4:
+        # Every program of the pass stores the same two values; the next pass reads them.
+        state = counts_row + _STATE + 2 * (PASS - 1)
+        tl.store(state, prefix)
+        tl.store(state + 1, wanted)
+    return prefix, wanted
+
+
+@triton.jit
+def topk_pass_kernel(scores, counts, tile_counts, row_limit, stride_s, stride_t, max_context, k,
+                     PASS: tl.constexpr, BLOCK_G: tl.constexpr):
+    """One program: scores [start, start + BLOCK_G) of row n (one with more than k visible). Histograms digit PASS
+    of the keys whose digits 0..PASS-1 are the prefix so far into counts[n]; pass 3 also stores the tile's counts
+    at or above each last digit (and above the prefix's 24 bits) in tile_counts[n, tile]."""
     n = tl.program_id(0)
-    start = tl.program_id(1) * BLOCK_G
+    tile = tl.program_id(1)
+    start = tile * BLOCK_G
     limit = tl.minimum(tl.load(row_limit + n), max_context)
     if start >= limit or limit <= k:
         return
-    counts_row = counts + n * _COUNTS_STRIDE
-    threshold, _, _ = _threshold_bin(counts_row, k)
+    counts_row = counts + n * _ROW_STRIDE
     pos = start + tl.arange(0, BLOCK_G)
     is_visible = pos < limit
-    values = tl.load(scores + n.to(tl.int64) * stride_s + pos, mask=is_visible, other=0.0)
-    bins = _coarse_bin(values)
-    is_above = (is_visible & (bins > threshold)).to(tl.int32)
-    is_candidate = (is_visible & (bins == threshold)).to(tl.int32)
-    # Slots are bounded (fewer than k above, at most L candidates) so that no inconsistency writes past a row.
-    slot = tl.atomic_add(counts_row + _NUM_BINS, tl.sum(is_above, 0), sem="relaxed") + tl.cumsum(is_above, 0) - 1
-    tl.store(out + n.to(tl.int64) * k + slot, pos, mask=(is_above != 0) & (slot < k))
-    slot = tl.atomic_add(counts_row + _NUM_BINS + 1, tl.sum(is_candidate, 0), sem="relaxed")
-    slot += tl.cumsum(is_candidate, 0) - 1
-    tl.store(candidates + n.to(tl.int64) * max_context + slot, pos, mask=(is_candidate != 0) & (slot < max_context))
-
-
-@triton.jit
-def _digit_counts(keys, is_valid, prefix, SHIFT: tl.constexpr):
-    """The histogram of the 8-bit digit at SHIFT of the keys that match `prefix` above it. Digits are those of the
-    unsigned key (the signed key with its sign bit flipped), so digit order is key order."""
-    if SHIFT == 24:
-        digits = ((keys >> 24) & 0xFF) ^ 0x80
-        is_match = is_valid
+    keys = _sortable_key(tl.load(scores + n.to(tl.int64) * stride_s + pos, mask=is_visible, other=0.0))
+    SHIFT = 24 - 8 * PASS
+    if PASS == 0:
+        is_match = is_visible
     else:
-        digits = (keys >> SHIFT) & 0xFF
-        is_match = is_valid & ((keys >> (SHIFT + 8)) == (prefix >> (SHIFT + 8)))
-    return tl.histogram(digits, _NUM_BINS, mask=is_match)
+        prefix, _ = _prefix_before(counts_row, k, PASS)
+        # Arithmetic shifts of both sides: equal high digits, and (pass 3) the order of the prefixes.
+        is_match = is_visible & ((keys >> (SHIFT + 8)) == (prefix >> (SHIFT + 8)))
+    digit_counts = tl.histogram(_digit(keys, SHIFT), _NUM_BINS, mask=is_match)
+    _add_counts(counts_row + PASS * _NUM_BINS, digit_counts)
+    if PASS == 3:
+        num_above = tl.sum((is_visible & ((keys >> 8) > (prefix >> 8))).to(tl.int32), 0)
+        tile_row = tile_counts + n.to(tl.int64) * stride_t + tile * _TILE_STRIDE
+        tl.store(tile_row + tl.arange(0, _NUM_BINS), num_above + tl.cumsum(digit_counts, 0, reverse=True))
+        tl.store(tile_row + _NUM_BINS, num_above)
 
 
 @triton.jit
-def _load_candidates(scores_row, candidates_row, start, size, BLOCK_R: tl.constexpr):
-    idx = start + tl.arange(0, BLOCK_R)
-    is_valid = idx < size
-    pos = tl.load(candidates_row + idx, mask=is_valid, other=0)
-    keys = _sortable_key(tl.load(scores_row + pos, mask=is_valid, other=0.0))
-    return pos, keys, is_valid
-
-
-@triton.jit
-def _compact(out_row, capacity, pos, keys, is_valid, threshold, num_equal_wanted, num_written, num_equal_seen):
-    """Writes the positions whose key is above the threshold, and those equal to it while fewer than
-    num_equal_wanted were taken, at out_row[num_written:capacity]. Returns the updated counts."""
-    is_equal = (is_valid & (keys == threshold)).to(tl.int32)
-    equal_rank = num_equal_seen + tl.cumsum(is_equal, 0) - 1
-    is_taken = ((is_valid & (keys > threshold)) | ((is_equal != 0) & (equal_rank < num_equal_wanted))).to(tl.int32)
-    slot = num_written + tl.cumsum(is_taken, 0) - 1
-    # The counts fill the row exactly; the bound keeps any inconsistency from writing into the next row.
-    tl.store(out_row + slot, pos, mask=(is_taken != 0) & (slot < capacity))
-    return num_written + tl.sum(is_taken, 0), num_equal_seen + tl.sum(is_equal, 0)
-
-
-@triton.jit
-def topk_refine_kernel(scores, counts, out, candidates, row_limit, stride_s, max_context, k,
-                       BLOCK_R: tl.constexpr):
-    """One program per row. A row with at most k visible: out[n] = 0..limit-1, then -1. Otherwise the threshold
-    bin's candidates are narrowed to the (k - above)-th largest key, and those selected fill out[n][above:]."""
+def topk_gather_kernel(scores, counts, tile_counts, out, row_limit, stride_s, stride_t, max_context, k,
+                       BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr):
+    """One program: positions [start, start + BLOCK_G) of row n. A row with at most k visible: out[n] =
+    0..limit-1, then -1. Otherwise the positions whose key is above the k-th largest key T, and those equal to it
+    while fewer than the wanted number were taken before them, go to out[n] in position order, from the number
+    the earlier tiles select (their pass-3 counts at T's last digit)."""
     n = tl.program_id(0)
+    tile = tl.program_id(1)
+    start = tile * BLOCK_G
     limit = tl.minimum(tl.load(row_limit + n), max_context)
     out_row = out + n.to(tl.int64) * k
+    pos = start + tl.arange(0, BLOCK_G)
     if limit <= k:
-        for start in range(0, k, BLOCK_R):
-            idx = start + tl.arange(0, BLOCK_R)
-            tl.store(out_row + idx, tl.where(idx < limit, idx, -1), mask=idx < k)
+        tl.store(out_row + pos, tl.where(pos < limit, pos, -1), mask=pos < k)
         return
-    _bin, above, size = _threshold_bin(counts + n * _COUNTS_STRIDE, k)
-    wanted = k - above  # 1..size: the threshold bin holds the k-th largest
-    scores_row = scores + n.to(tl.int64) * stride_s
-    candidates_row = candidates + n.to(tl.int64) * max_context
-    first_pos, first_keys, first_valid = _load_candidates(scores_row, candidates_row, 0, size, BLOCK_R)
-    threshold = 0
-    for digit_index in tl.static_range(4):  # digits at bits 24, 16, 8, 0
-        digit_counts = _digit_counts(first_keys, first_valid, threshold, 24 - 8 * digit_index)
-        for start in range(BLOCK_R, size, BLOCK_R):
-            _pos, keys, is_valid = _load_candidates(scores_row, candidates_row, start, size, BLOCK_R)
-            digit_counts += _digit_counts(keys, is_valid, threshold, 24 - 8 * digit_index)
-        digits = tl.arange(0, _NUM_BINS)
-        at_or_above = tl.cumsum(digit_counts, 0, reverse=True)
-        digit = tl.max(tl.where(at_or_above >= wanted, digits, -1), 0)
-        wanted -= tl.sum(tl.where(digits > digit, digit_counts, 0), 0)
-        # The key's top byte is signed: the unsigned digit less 128 (no int32 overflow in the shift).
-        if digit_index == 0:
-            threshold = (digit - 128) * (1 << 24)
-        else:
-            threshold += digit * (1 << (24 - 8 * digit_index))
-    # `threshold` is the exact key of the wanted-th largest candidate; `wanted` of the candidates equal to it are
-    # needed besides all that are greater.
-    out_tail = out_row + above
-    num_written, num_equal_seen = _compact(out_tail, k - above, first_pos, first_keys, first_valid, threshold,
-                                           wanted, 0, 0)
-    for start in range(BLOCK_R, size, BLOCK_R):
-        pos, keys, is_valid = _load_candidates(scores_row, candidates_row, start, size, BLOCK_R)
-        num_written, num_equal_seen = _compact(out_tail, k - above, pos, keys, is_valid, threshold, wanted,
-                                               num_written, num_equal_seen)
+    if start >= limit:
+        return
+    threshold, wanted = _prefix_before(counts + n * _ROW_STRIDE, k, 4)
+    last = threshold & 0xFF
+    # Earlier tiles: keys at or above T, and above it (column last + 1; 256: above the bucket's 24 bits).
+    tile_rows = tile_counts + n.to(tl.int64) * stride_t
+    at_or_above = 0
+    above = 0
+    for first in range(0, tile, BLOCK_T):
+        earlier = first + tl.arange(0, BLOCK_T)
+        is_earlier = earlier < tile
+        at_or_above += tl.sum(tl.load(tile_rows + earlier * _TILE_STRIDE + last, mask=is_earlier, other=0), 0)
+        above += tl.sum(tl.load(tile_rows + earlier * _TILE_STRIDE + last + 1, mask=is_earlier, other=0), 0)
+    ties_before = at_or_above - above
+    is_visible = pos < limit
+    keys = _sortable_key(tl.load(scores + n.to(tl.int64) * stride_s + pos, mask=is_visible, other=0.0))
+    is_tie = (is_visible & (keys == threshold)).to(tl.int32)
+    tie_rank = ties_before + tl.cumsum(is_tie, 0) - 1
+    is_taken = ((is_visible & (keys > threshold)) | ((is_tie != 0) & (tie_rank < wanted))).to(tl.int32)
+    slot = above + tl.minimum(ties_before, wanted) + tl.cumsum(is_taken, 0) - 1
+    # The counts fill the row exactly; the bound keeps any inconsistency from writing into the next row.
+    tl.store(out_row + slot, pos, mask=(is_taken != 0) & (slot < k))
+
 
 
 # ---------------------------------------------------------------------------------------------------- launchers
@@ -363,25 +344,27 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tens
     return out
 
 
-def _select_buffers(num_rows: int, width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(counts [rows, COUNTS_STRIDE] int32 zeroed per use, candidates [rows, width] int32)."""
-    counts = torch.empty(num_rows, COUNTS_STRIDE, dtype=torch.int32, device=device)
-    return counts, torch.empty(num_rows, width, dtype=torch.int32, device=device)
+
+def _select_buffers(num_rows: int, width: int, block_g: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(counts [rows, ROW_STRIDE] int32, zeroed per use; tile_counts [rows, tiles * TILE_STRIDE] int32, written
+    by pass 3 before the gather reads them)."""
+    counts = torch.empty(num_rows, ROW_STRIDE, dtype=torch.int32, device=device)
+    tile_counts = torch.empty(num_rows, triton.cdiv(width, block_g) * TILE_STRIDE, dtype=torch.int32, device=device)
+    return counts, tile_counts
 
 
-def _launch_select(scores, row_limit, k, out, counts, candidates, has_histogram: bool) -> None:
-    """The gather and refine kernels over scores [rows, L] (stride of a row: L); the coarse histogram first
-    unless the scores kernel made it."""
+def _launch_select(scores, row_limit, k, out, counts, tile_counts, first_pass: int) -> None:
+    """Radix passes first_pass..3 and the gather over scores [rows, L] (stride of a row: L); the scores kernel
+    made pass 0 when first_pass is 1."""
     num_rows, width = scores.shape
     cfg = select(SELECT_CONFIGS, capability_of(scores.device))
-    tiles = (num_rows, triton.cdiv(width, cfg.block_g))
-    if not has_histogram:
-        topk_histogram_kernel[tiles](scores, counts, row_limit, width, width, k, BLOCK_G=cfg.block_g,
-                                     num_warps=cfg.gather_warps)
-    topk_gather_kernel[tiles](scores, counts, out, candidates, row_limit, width, width, k, BLOCK_G=cfg.block_g,
-                              num_warps=cfg.gather_warps)
-    topk_refine_kernel[(num_rows,)](scores, counts, out, candidates, row_limit, width, width, k,
-                                    BLOCK_R=cfg.block_r, num_warps=cfg.refine_warps)
+    args = (row_limit, width, tile_counts.shape[1], width, k)
+    for radix_pass in range(first_pass, NUM_PASSES):
+        topk_pass_kernel[(num_rows, triton.cdiv(width, cfg.block_g))](
+            scores, counts, tile_counts, *args, PASS=radix_pass, BLOCK_G=cfg.block_g, num_warps=cfg.num_warps)
+    # Short rows write -1 up to k, which may pass L.
+    topk_gather_kernel[(num_rows, triton.cdiv(max(width, k), cfg.block_g))](
+        scores, counts, tile_counts, out, *args, BLOCK_G=cfg.block_g, BLOCK_T=cfg.block_t, num_warps=cfg.num_warps)
 
 
 def _check_out_topk(out, num_rows: int, k: int, device) -> torch.Tensor:
@@ -396,8 +379,9 @@ def _check_out_topk(out, num_rows: int, k: int, device) -> torch.Tensor:
 def select_topk(scores: torch.Tensor, row_limit: torch.Tensor, k: int, out: torch.Tensor | None = None
                 ) -> torch.Tensor:
     """scores [N, L] float32 (positions from row_limit[n] on are not read), row_limit [N] int32 -> int32 [N, k]:
-    the positions of each row's k largest visible scores in no order, -1 padded; a row with at most k visible
-    selects them all (dsa_reference.select_topk). No host syncs."""
+    the positions of each row's k largest visible scores in increasing order, ties at the k-th largest to the
+    lowest positions, -1 padded; a row with at most k visible selects them all (dsa_reference.select_topk,
+    exactly). No host syncs."""
     _require(scores.dim() == 2 and scores.dtype == torch.float32 and scores.is_contiguous(),
              f"scores must be a contiguous [rows, L] float32, got {tuple(scores.shape)} {scores.dtype}")
     _require(k >= 1, f"k must be >= 1, got {k}")
@@ -406,39 +390,46 @@ def select_topk(scores: torch.Tensor, row_limit: torch.Tensor, k: int, out: torc
     out = _check_out_topk(out, num_rows, k, scores.device)
     if num_rows == 0 or width == 0:
         return out.fill_(-1)
-    counts, candidates = _select_buffers(num_rows, width, scores.device)
+    cfg = select(SELECT_CONFIGS, capability_of(scores.device))
+    counts, tile_counts = _select_buffers(num_rows, width, cfg.block_g, scores.device)
     counts.zero_()
-    _launch_select(scores, row_limit, k, out, counts, candidates, has_histogram=False)
+    _launch_select(scores, row_limit, k, out, counts, tile_counts, first_pass=0)
     return out
 
 
-def rows_per_chunk(num_rows: int, max_context: int, budget_bytes: int) -> int:
-    """Rows whose float32 scores and int32 candidates (8 bytes a position) fit the budget; at least one."""
-    return max(1, min(num_rows, budget_bytes // (8 * max_context)))
+def workspace_bytes_per_row(max_context: int, block_g: int) -> int:
+    """index_topk's workspace a row: float32 scores, pass 3's per-tile counts, the radix histograms and states."""
+    return 4 * (max_context + triton.cdiv(max_context, block_g) * TILE_STRIDE + ROW_STRIDE)
+
+
+def rows_per_chunk(num_rows: int, row_bytes: int, budget_bytes: int) -> int:
+    """Rows whose workspace (row_bytes each) fits the budget; at least one."""
+    return max(1, min(num_rows, budget_bytes // row_bytes))
 
 
 def index_topk(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor, block_tables: torch.Tensor,
                row_seq: torch.Tensor, row_limit: torch.Tensor, scale: float, max_context: int, k: int,
                out: torch.Tensor | None = None, budget_bytes: int = SCORE_BUDGET_BYTES) -> torch.Tensor:
     """The indexer end to end (index_scores's arguments, then k) -> int32 [N, k]: select_topk of the scores,
-    without the -inf stores, the coarse histogram made by the scores kernel. Rows run in chunks whose workspace
-    stays under budget_bytes (one chunk for a decode batch). No host syncs: CUDA-graph capturable."""
+    without the -inf stores, radix pass 0 made by the scores kernel. Rows run in chunks whose workspace stays
+    under budget_bytes (one chunk for a decode batch). No host syncs: CUDA-graph capturable."""
     _check_scores_inputs(q, weights, index_cache, block_tables, row_seq, row_limit, max_context)
     _require(k >= 1, f"k must be >= 1, got {k}")
     num_rows = q.shape[0]
     out = _check_out_topk(out, num_rows, k, q.device)
     if num_rows == 0:
         return out
-    chunk = rows_per_chunk(num_rows, max_context, budget_bytes)
+    cfg = select(SELECT_CONFIGS, capability_of(q.device))
+    chunk = rows_per_chunk(num_rows, workspace_bytes_per_row(max_context, cfg.block_g), budget_bytes)
     scores = torch.empty(chunk, max_context, dtype=torch.float32, device=q.device)
-    counts, candidates = _select_buffers(chunk, max_context, q.device)
+    counts, tile_counts = _select_buffers(chunk, max_context, cfg.block_g, q.device)
     for first in range(0, num_rows, chunk):
         rows = slice(first, min(first + chunk, num_rows))
         num = rows.stop - first
         counts[:num].zero_()
         _launch_scores(q[rows], weights[rows], index_cache, block_tables, row_seq[rows], row_limit[rows], scale,
                        max_context, scores[:num], counts, k)
-        _launch_select(scores[:num], row_limit[rows], k, out[rows], counts, candidates, has_histogram=True)
+        _launch_select(scores[:num], row_limit[rows], k, out[rows], counts, tile_counts, first_pass=1)
     return out
 
 
@@ -456,18 +447,19 @@ def _scores_signature(dtype: str) -> dict[str, str]:
     return sig | {name: "constexpr" for name in constexprs}
 
 
+
 def _select_gate_cases(capability: int) -> list[GateCase]:
     cfg = select(SELECT_CONFIGS, capability)
-    common = dict(row_limit="*i32", stride_s="i32", max_context="i32", k="i32")
-    gather = dict(scores="*fp32", counts="*i32", out="*i32", candidates="*i32") | common
-    return [
-        GateCase(topk_histogram_kernel, dict(scores="*fp32", counts="*i32") | common | {"BLOCK_G": "constexpr"},
-                 dict(BLOCK_G=cfg.block_g), capability, f"topk_histogram {cfg}", cfg.gather_warps, 1),
-        GateCase(topk_gather_kernel, gather | {"BLOCK_G": "constexpr"}, dict(BLOCK_G=cfg.block_g), capability,
-                 f"topk_gather {cfg}", cfg.gather_warps, 1),
-        GateCase(topk_refine_kernel, gather | {"BLOCK_R": "constexpr"}, dict(BLOCK_R=cfg.block_r), capability,
-                 f"topk_refine {cfg}", cfg.refine_warps, 1),
-    ]
+    sig = dict(scores="*fp32", counts="*i32", tile_counts="*i32", row_limit="*i32", stride_s="i32", stride_t="i32",
+               max_context="i32", k="i32", BLOCK_G="constexpr")
+    cases = [GateCase(topk_pass_kernel, sig | {"PASS": "constexpr"}, dict(PASS=radix_pass, BLOCK_G=cfg.block_g),
+                      capability, f"topk_pass {radix_pass} {cfg}", cfg.num_warps, 1)
+             for radix_pass in range(NUM_PASSES)]
+    gather_sig = {name: sig[name] for name in ("scores", "counts", "tile_counts")} | {"out": "*i32"}
+    gather_sig |= {name: kind for name, kind in sig.items() if name not in gather_sig} | {"BLOCK_T": "constexpr"}
+    cases.append(GateCase(topk_gather_kernel, gather_sig, dict(BLOCK_G=cfg.block_g, BLOCK_T=cfg.block_t),
+                          capability, f"topk_gather {cfg}", cfg.num_warps, 1))
+    return cases
 
 
 def gate_cases() -> list[GateCase]:
@@ -489,34 +481,60 @@ def gate_cases() -> list[GateCase]:
     return cases
 
 
-def _bench_problem(batch: int, context: int, num_heads: int, cache) -> dict:
-    """Decode rows of `batch` sequences of `context` tokens over shuffled pages of the shared cache."""
+def _bench_problem(batch: int, context: int, num_heads: int, cache, direction=None) -> dict:
+    """Decode rows of `batch` sequences of `context` tokens over shuffled pages of the shared cache: Gaussian
+    queries, weights of both signs; or, given the unit `direction` u the cache was shifted by 3 along, every
+    head's query -u and positive weights: a token scores above 0 only where its noise along u is below -3 (about
+    0.13%), every other one exactly 0, so the k-th largest is a 0 tied with most of the row (ReLU scores' ties)."""
     device, page_size, head_dim = cache.device, cache.shape[1], cache.shape[3]
     pages = context // page_size
     tables = torch.randperm(cache.shape[0], device=device)[: batch * pages].view(batch, pages).int()
-    return dict(q=torch.randn(batch, num_heads, head_dim, device=device, dtype=cache.dtype),
-                weights=torch.randn(batch, num_heads, device=device) * num_heads**-0.5, index_cache=cache,
-                block_tables=tables, row_seq=torch.arange(batch, dtype=torch.int32, device=device),
+    q = torch.randn(batch, num_heads, head_dim, device=device, dtype=cache.dtype)
+    weights = torch.randn(batch, num_heads, device=device) * num_heads**-0.5
+    if direction is not None:
+        q = (-direction).to(cache.dtype).expand(batch, num_heads, head_dim).contiguous()
+        weights = weights.abs()
+    return dict(q=q, weights=weights, index_cache=cache, block_tables=tables,
+                row_seq=torch.arange(batch, dtype=torch.int32, device=device),
                 row_limit=torch.full((batch,), context, dtype=torch.int32, device=device),
                 scale=head_dim**-0.5, max_context=context)
 
 
+def _bench_scores(batch: int, context: int, distribution: str, device) -> torch.Tensor:
+    """select_topk's inputs: "random" Gaussian; "zeros" 0.1% positive, the rest exactly 0; "narrow" within one
+    part in a thousand of 1 (no ties, but one coarse float16 bin holds the whole row)."""
+    if distribution == "random":
+        return torch.randn(batch, context, device=device)
+    if distribution == "zeros":
+        return torch.where(torch.rand(batch, context, device=device) < 1e-3,
+                           torch.rand(batch, context, device=device), 0.0)
+    return 1 + 1e-3 * torch.rand(batch, context, device=device)
+
+
 def bench_cases() -> list[tuple]:
-    """Decode rows (batch 1 at 8K, 32K, 128K; batch 8 at 32K), V3.2's 64 heads and GLM-5's 32, bf16 keys in
-    pages of 64, k = 2048: the scores alone (keys read + scores written), the selection alone on those scores
-    (scores read; baseline torch.topk) and the whole indexer (baseline: index_scores then torch.topk)."""
+    """Decode rows (batch 1 and 8 at 8K, 32K and 128K), bf16 keys in pages of 64, k = 2048, V3.2's 64 heads (and
+    GLM-5's 32 at 128K): the scores alone (keys read + scores written); the whole indexer on random and on
+    zero-tied scores (`_bench_problem`); the selection alone on random, zero-tied and narrow scores (scores read).
+    The selections' baseline is the first build's select (`dsa_refine_select`: coarse bins, one-program refine)
+    on the same scores; the indexer's runs it after index_scores (a histogram kernel more than its fused form)."""
+    from gpu_layers import dsa_refine_select
+
     device, page_size, head_dim, k = torch.device("cuda"), 64, 128, 2048
-    shapes = ((1, 8192), (1, 32768), (1, 131072), (8, 32768))
+    shapes = ((1, 8192), (1, 32768), (1, 131072), (8, 8192), (8, 32768), (8, 131072))
     cache = torch.randn(max(b * c for b, c in shapes) // page_size, page_size, 1, head_dim, device=device,
                         dtype=torch.bfloat16)
+    direction = torch.nn.functional.normalize(torch.randn(head_dim, device=device), dim=0)
+    caches = {"random": (cache, None), "zeros": ((cache.float() + 3 * direction).to(cache.dtype), direction)}
     cases = []
     for batch, context in shapes:
         where = f"B={batch} ctx={context}"
         key_bytes, score_bytes = batch * context * head_dim * 2, batch * context * 4
-        for model, (num_heads, _) in GATED_HEADS.items():
-            p = _bench_problem(batch, context, num_heads, cache)
-            scores = torch.empty(batch, context, device=device)
-            out = torch.empty(batch, k, dtype=torch.int32, device=device)
+        scores = torch.empty(batch, context, device=device)
+        out = torch.empty(batch, k, dtype=torch.int32, device=device)
+        models = GATED_HEADS if context == 131072 else {"deepseek-v3.2": GATED_HEADS["deepseek-v3.2"]}
+        for (model, (num_heads, _)), distribution in [(m, "random") for m in models.items()] + [
+                (("deepseek-v3.2", GATED_HEADS["deepseek-v3.2"]), "zeros")]:
+            p = _bench_problem(batch, context, num_heads, *caches[distribution])
             flops = 2 * batch * context * num_heads * head_dim
 
             def run_scores(p=p, scores=scores):
@@ -525,15 +543,18 @@ def bench_cases() -> list[tuple]:
             def run_topk(p=p, out=out):
                 index_topk(**p, k=k, out=out)
 
-            def run_baseline(p=p, scores=scores):
+            def run_baseline(p=p, scores=scores, out=out):
                 index_scores(**p, out=scores)
-                torch.topk(scores, k, dim=-1)
+                dsa_refine_select.select_topk(scores, p["row_limit"], k, out)
 
-            cases.append((f"dsa.index_scores {model} {where}", run_scores, key_bytes + score_bytes, flops))
-            cases.append((f"dsa.index_topk {model} {where}", run_topk, key_bytes + 2 * score_bytes, flops,
-                          run_baseline))
-        run_scores()
-        limits = p["row_limit"]
-        cases.append((f"dsa.select_topk {where}", lambda s=scores, r=limits, o=out: select_topk(s, r, k, out=o),
-                      score_bytes, 0, lambda s=scores: torch.topk(s, k, dim=-1)))
+            if distribution == "random":
+                cases.append((f"dsa.index_scores {model} {where}", run_scores, key_bytes + score_bytes, flops))
+            cases.append((f"dsa.index_topk {model} {distribution} {where}", run_topk,
+                          key_bytes + 2 * score_bytes, flops, run_baseline))
+        limits = torch.full((batch,), context, dtype=torch.int32, device=device)
+        for distribution in ("random", "zeros", "narrow"):
+            given = _bench_scores(batch, context, distribution, device)
+            cases.append((f"dsa.select_topk {distribution} {where}",
+                          lambda s=given, r=limits, o=out: select_topk(s, r, k, out=o), score_bytes, 0,
+                          lambda s=given, r=limits, o=out: dsa_refine_select.select_topk(s, r, k, o)))
     return cases

@@ -9,9 +9,10 @@ indexer key) and the row's indexer queries q [Hi, Di] and head weights w [Hi] (w
 
     score[n, j] = sum_h w[h] * relu(scale * q[h] . k_j)          (float32 products and sums)
 
-The selection is the top `k` visible tokens by score, in no particular order, padded with -1 where fewer than `k`
-tokens are visible (then every visible token is selected). transformers computes the same scores in float32; the
-references' FP8 scoring with a Hadamard rotation is a precision choice this runtime does not make.
+The selection is the top `k` visible tokens by score in increasing position order (of the tokens tied at the k-th
+best score, the first), padded with -1 where fewer than `k` tokens are visible (then every visible token is
+selected). transformers computes the same scores in float32; the references' FP8 scoring with a Hadamard rotation
+is a precision choice this runtime does not make.
 """
 
 from __future__ import annotations
@@ -41,12 +42,18 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tens
 
 def select_topk(scores: torch.Tensor, row_limit: torch.Tensor, k: int) -> torch.Tensor:
     """scores [N, L] float32 (-inf where not visible), row_limit [N] -> int32 [N, k]: the positions of each row's
-    k best visible scores (all visible positions where there are at most k), -1 padded. (row_limit is
-    the kernel's; here the -inf scores say the same.)"""
-    width = min(k, scores.shape[1])
-    values, indices = scores.topk(width, dim=-1)
-    # a row with fewer than k visible tokens gets -inf columns: every visible token is selected, the rest is -1
-    indices = torch.where(values == float("-inf"), -1, indices)
-    out = torch.full((scores.shape[0], k), -1, dtype=torch.int32, device=scores.device)
-    out[:, :width] = indices.to(torch.int32)
+    k best visible scores (all visible positions where there are at most k) in increasing order, -1 padded. Of
+    the scores equal to the k-th best, the lowest positions are taken. (row_limit is the kernel's; here the -inf
+    scores say the same.)"""
+    num_rows, width = scores.shape
+    if width == 0:
+        return torch.full((num_rows, k), -1, dtype=torch.int32, device=scores.device)
+    kth = scores.topk(min(k, width), dim=-1).values[:, -1:]  # -inf in a row with fewer than k visible
+    is_above = scores > kth
+    is_tie = (scores == kth) & (kth > float("-inf"))
+    wanted = min(k, width) - is_above.sum(-1, keepdim=True)
+    is_taken = is_above | (is_tie & (is_tie.cumsum(-1) <= wanted))
+    rows, positions = is_taken.nonzero(as_tuple=True)  # row-major: positions increase within a row
+    out = torch.full((num_rows, k), -1, dtype=torch.int32, device=scores.device)
+    out[rows, is_taken.cumsum(-1)[rows, positions] - 1] = positions.to(torch.int32)
     return out

@@ -95,6 +95,8 @@ PREFILL_HEAD_BLOCKS = (128, 256)
 # dims only shrink the tiles.
 MAX_BLOCK_DIMS = {"nope_dim": 256, "rope_dim": 64, "v_head_dim": 256, "kv_lora_rank": 512}
 REDUCE_WARPS = 4
+_MAX_SPLITS = tl.constexpr(MAX_SPLITS)  # the reduce loads a row's log-sum-exps at once
+_REDUCE_SPLITS = tl.constexpr(8)  # partials a reduce step loads: [8, R] float32 is 32 registers a thread at 4 warps
 
 TRITON_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
@@ -182,25 +184,26 @@ def mla_decode_reduce_kernel(
     o_part, lse_part, out, num_heads, num_splits, stride_out_b, stride_out_h,
     R: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
-    """One program per (sequence, head): merges the splits' partials, weighted by exp2(lse - max lse)."""
+    """One program per (sequence, head): merges the splits' partials, weighted by exp2(lse - max lse). The splits
+    are read _REDUCE_SPLITS at a time, so the loads of a step are in flight together (one split a step kept one
+    load in flight: 32 L2 round trips in a row at batch 1, 11 us of sparse MLA's 45 on an H200)."""
     b, h = tl.program_id(0), tl.program_id(1)
     offs_r = tl.arange(0, BLOCK_R)
+    offs_s = tl.arange(0, _REDUCE_SPLITS)
     first = (b * num_heads + h) * num_splits
-    lse_max = float("-inf")
-    for split in range(num_splits):
-        lse_max = tl.maximum(lse_max, tl.load(lse_part + first + split))
+    all_splits = tl.arange(0, _MAX_SPLITS)
+    lse_max = tl.max(tl.load(lse_part + first + all_splits, mask=all_splits < num_splits, other=float("-inf")), 0)
     # An empty context (a padded batch slot) has every lse at -inf: it yields zeros, not NaN.
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
     total = 0.0
     acc = tl.zeros([BLOCK_R], tl.float32)
-    for split in range(num_splits):
-        weight = tl.exp2(tl.load(lse_part + first + split) - lse_max)
-        part = o_part + (first + split).to(tl.int64) * R + offs_r
-        if BLOCK_R == R:
-            acc += weight * tl.load(part)
-        else:
-            acc += weight * tl.load(part, mask=offs_r < R, other=0.0)
-        total += weight
+    for first_split in range(0, num_splits, _REDUCE_SPLITS):
+        splits = first_split + offs_s
+        is_split = splits < num_splits
+        weight = tl.exp2(tl.load(lse_part + first + splits, mask=is_split, other=float("-inf")) - lse_max)
+        parts = o_part + (first + splits).to(tl.int64)[:, None] * R + offs_r[None, :]
+        acc += tl.sum(weight[:, None] * tl.load(parts, mask=is_split[:, None] & (offs_r[None, :] < R), other=0.0), 0)
+        total += tl.sum(weight, 0)
     merged = acc / tl.maximum(total, 1e-30)
     if BLOCK_R == R:
         tl.store(out + b * stride_out_b + h * stride_out_h + offs_r, merged.to(out.dtype.element_ty))

@@ -20,8 +20,9 @@ Data flow (N rows, H heads, K selected entries per row; Dn, Dr, Dv, R as in mla.
   first selected token keeps the running maximum at -inf, and the exponents are then taken against 0.
 
 Measured on an H100 (bf16, K = 2048, DeepSeek-V3.2's 128 heads, CUDA graph): 50 us at batch 1, about half of it
-the two absorption bmms (they read all of W_kv_b, 32 MiB) and 11 us the reduce; 80 us at batch 8. Dense mla_decode
-over the whole context takes 1.3x as long at 8K tokens and 5x (batch 1) to 21x (batch 8) at 128K.
+the two absorption bmms (they read all of W_kv_b, 32 MiB) and 11 us the reduce (then one split a step, now 8);
+80 us at batch 8. Dense mla_decode over the whole context takes 1.3x as long at 8K tokens and 5x (batch 1) to 21x
+(batch 8) at 128K.
 
 Entries must be below the sequence's length (the indexer's selection is); they are not checked on the device,
 which would need a sync.
@@ -72,7 +73,8 @@ SPARSE_CONFIGS = {
     120: {2: SparseConfig(64, 16, 8, 2), 4: SparseConfig(16, 16, 8, 1)},
 }
 # At batch 1 (K = 2048, DeepSeek-V3.2 on an H100) 32 splits of two tiles beat 64 of one (52 us against 54 with the
-# bmms): the reduce, which walks the splits one by one, takes 11 us at 32 splits already.
+# bmms): the reduce, which then walked the splits one by one, took 11 us at 32 splits already (it now loads 8 a
+# step; both measured before that).
 MIN_SPLIT_TILES = 2
 
 

@@ -1,8 +1,9 @@
 """gpu_layers.dsa (the DSA lightning indexer) against gpu_layers.dsa_reference: the scores over shuffled pages of
 16 and 32 tokens, prefill-like and decode-like rows of several sequences, in float32 (tight) and bfloat16, at
-V3.2's head dim and a small one, few and odd head counts; the top-k selection as sets (fewer, exactly and more than
-k visible, k = 1 and k not a power of two, ties away from and at the boundary, one coarse bin holding everything);
-index_topk end to end with its row chunking; the launchers' checks; a CUDA-graph replay on the GPU."""
+V3.2's head dim and a small one, few and odd head counts; the top-k selection exactly as the reference's (fewer,
+exactly and more than k visible, k = 1 and k not a power of two, ties away from and at the boundary, all equal,
+mostly exact zeros, keys that differ in the last radix digit, small tiles); index_topk end to end with its row
+chunking and on zero-tied scores; the launchers' checks; a CUDA-graph replay on the GPU."""
 
 import math
 
@@ -75,39 +76,34 @@ def test_scores_v32_heads():
     torch.testing.assert_close(dsa.index_scores(**p), reference_scores(p), rtol=1e-4, atol=1e-5)
 
 
-def assert_valid_topk(out, scores, row_limit, k):
-    """The selection contract: per row, min(k, limit) distinct visible positions whose scores are all >= the
-    k-th largest visible score, then -1; and the reference's very set where the boundary is not a tie."""
-    expected = dsa_reference.select_topk(scores, row_limit, k)
-    for n, limit in enumerate(row_limit.tolist()):
-        taken = out[n][out[n] >= 0]
-        assert taken.numel() == min(k, limit) and (out[n] < 0).sum() == k - taken.numel(), f"row {n}: count"
-        assert taken.unique().numel() == taken.numel() and (taken < limit).all(), f"row {n}: positions"
-        if limit <= k:
-            continue
-        ordered = scores[n, :limit].sort(descending=True).values
-        assert (scores[n, taken.long()] >= ordered[k - 1]).all(), f"row {n}: not the top {k}"
-        if ordered[k - 1] != ordered[k]:
-            assert set(taken.tolist()) == set(expected[n].tolist()), f"row {n}: differs from the reference"
-
-
-def hide(scores, row_limit):
+def hide(scores, row_limit, value=float("-inf")):
     hidden = torch.arange(scores.shape[1], device=scores.device)[None, :] >= row_limit[:, None]
-    return scores.masked_fill(hidden, float("-inf"))
+    return scores.masked_fill(hidden, value)
 
 
 def run_select(scores, limits, k):
+    """select_topk against the reference, exactly: positions in order, boundary ties to the lowest. The kernel
+    sees +inf past each row's limit (never to be read), the reference -inf (its only notion of a limit)."""
     row_limit = torch.tensor(limits, dtype=torch.int32, device=DEVICE)
-    scores = hide(scores.to(DEVICE), row_limit)
+    scores = scores.to(DEVICE)
     out = torch.full((len(limits), k), -7, dtype=torch.int32, device=DEVICE)
-    assert dsa.select_topk(scores, row_limit, k, out=out) is out
-    assert_valid_topk(out.cpu(), scores.cpu(), row_limit.cpu(), k)
+    assert dsa.select_topk(hide(scores, row_limit, float("inf")), row_limit, k, out=out) is out
+    expected = dsa_reference.select_topk(hide(scores, row_limit), row_limit, k)
+    for n in range(len(limits)):
+        assert torch.equal(out[n].cpu(), expected[n].cpu()), f"row {n} (limit {limits[n]}) differs"
     return out.cpu()
+
+
+def test_reference_select_contract():
+    """The oracle itself: the k best in position order, the first of the tied ones, -1 padded; ±0 are equal."""
+    scores = torch.tensor([[3.0, 0.0, -0.0, 1.0, 0.0, 5.0, -2.0], [1.0, 2.0, *[float("-inf")] * 5]])
+    out = dsa_reference.select_topk(scores, torch.tensor([7, 2]), 5)
+    assert out.tolist() == [[0, 1, 2, 3, 5], [0, 1, -1, -1, -1]]
 
 
 @pytest.mark.parametrize("k", [1, 37, 64, 300])
 def test_select_fewer_exact_and_more_than_k(k):
-    """Rows with 0, 1, k - 1, k, k + 1 and many visible; negative and positive scores over several gather tiles."""
+    """Rows with 0, 1, k - 1, k, k + 1 and many visible; negative and positive scores over several tiles."""
     limits = [0, 1, max(k - 1, 1), k, k + 1, 5000, 2049]
     gen = torch.Generator().manual_seed(k)
     scores = torch.randn(len(limits), 5000, generator=gen) * torch.logspace(-3, 3, 5000)[torch.randperm(5000)]
@@ -116,7 +112,7 @@ def test_select_fewer_exact_and_more_than_k(k):
 
 def test_select_row_without_tokens_is_all_padding():
     out = run_select(torch.randn(2, 40), [0, 40], 50)
-    assert (out[0] == -1).all() and sorted(out[1][:40].tolist()) == list(range(40)) and (out[1][40:] == -1).all()
+    assert (out[0] == -1).all() and out[1][:40].tolist() == list(range(40)) and (out[1][40:] == -1).all()
 
 
 def test_select_many_equal_scores_away_from_the_boundary():
@@ -131,66 +127,112 @@ def test_select_many_equal_scores_away_from_the_boundary():
 
 
 def test_select_ties_at_the_boundary():
-    """The k-th largest is one of many equal scores: any of them may fill the last slots (checked by the
-    contract), never a lower one, every higher one taken; also with zeros of both signs."""
+    """The k-th largest is one of many equal scores spread over every tile: the first of them fill the last
+    slots, every higher one is taken; zeros of both signs; greater scores after the equal ones."""
     gen = torch.Generator().manual_seed(4)
     scores = torch.where(torch.rand(4, 4000, generator=gen) < 0.5, 2.0, torch.rand(4, 4000, generator=gen))
     scores[1] = torch.where(scores[1] == 2.0, 0.0, -scores[1])
     scores[1, ::3] = -0.0
     scores[2, :100] = 5.0
-    # Greater scores in the boundary's own coarse bin, after its equal ones in position order.
     scores[3] = torch.where(torch.rand(4000, generator=gen) < 0.75, 1.0, torch.rand(4000, generator=gen) * 0.5)
     scores[3, -200:] = 1.01
     out = run_select(scores, [4000, 3999, 4000, 4000], 1000)
     assert set(range(100)) <= set(out[2].tolist()) and set(range(3800, 4000)) <= set(out[3].tolist())
 
 
-def test_select_one_coarse_bin_holds_everything():
-    """Scores within a quarter octave: every visible position is a candidate, more than a refining block
-    (BLOCK_R) holds, so the candidates are re-read in blocks; ties among them too."""
-    gen = torch.Generator().manual_seed(5)
-    scores = 1.0 + torch.rand(2, 9000, generator=gen) * 0.1
-    scores[1, 4000:4500] = scores[1, 4000]
-    assert dsa.SELECT_CONFIGS[120].block_r < 9000
-    run_select(scores, [9000, 8999], 777)
+def test_select_all_equal():
+    """Every visible score equal (one bucket in every pass): the first k positions."""
+    out = run_select(torch.full((3, 3000), 0.75), [3000, 2048, 1500], 1100)
+    assert out[0].tolist() == list(range(1100)) and out[2].tolist() == list(range(1100))
 
 
-@pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # the interpreter's float16 rounding to inf
+def test_select_mostly_zeros():
+    """ReLU-weighted sums: a few positive scores, a few negative (negative head weights), and exact zeros of
+    both signs everywhere else; the k-th largest is a zero (most rows) or a positive (the last)."""
+    gen = torch.Generator().manual_seed(11)
+    draw = torch.rand(4, 6000, generator=gen)
+    scores = torch.where(draw < 0.02, torch.rand(4, 6000, generator=gen), torch.where(draw < 0.03, -1.0, 0.0))
+    scores = torch.where(torch.rand(4, 6000, generator=gen) < 0.3, -scores, scores)
+    scores[:, 1::5] = torch.where(scores[:, 1::5] == 0, -0.0, scores[:, 1::5])
+    scores[3] = torch.where(draw[3] < 0.5, torch.rand(6000, generator=gen) + 0.1, 0.0)
+    run_select(scores, [6000, 5999, 2100, 6000], 2048)
+
+
+def test_select_keys_differ_in_the_last_digit():
+    """Scores whose bit patterns share their top 24 bits (1.0 and the next 255 floats; negated; both): every
+    pass narrows, the last one decides; duplicates among them."""
+    gen = torch.Generator().manual_seed(12)
+    bits = 0x3F800000 + torch.randint(0, 256, (3, 4000), generator=gen, dtype=torch.int32)
+    scores = bits.view(torch.float32).clone()
+    scores[1] = -scores[1]
+    scores[2, ::2] = -scores[2, ::2]
+    run_select(scores, [4000, 4000, 3333], 1500)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")
 def test_select_wide_range():
-    """Magnitudes past float16's range (coarse bins saturate) and below it (subnormal and flushed bins)."""
+    """Magnitudes past float16's range and below it, of both signs."""
     gen = torch.Generator().manual_seed(6)
     magnitude = 10.0 ** (torch.rand(2, 3000, generator=gen) * 20 - 10)
     scores = magnitude * torch.where(torch.rand(2, 3000, generator=gen) < 0.3, -1.0, 1.0)
     run_select(scores, [3000, 1500], 513)
 
 
+def test_select_small_tiles(monkeypatch):
+    """Tiles of 64 and offsets summed 4 tiles a step: the gather's loop over earlier tiles runs many times;
+    ties split across tiles; k larger than L."""
+    for capability in dsa.SELECT_CONFIGS:
+        monkeypatch.setitem(dsa.SELECT_CONFIGS, capability, dsa.SelectConfig(64, 4, 4))
+    gen = torch.Generator().manual_seed(13)
+    scores = torch.randint(0, 6, (3, 1000), generator=gen).float()
+    run_select(scores, [1000, 900, 700], 555)
+    run_select(scores[:, :700], [700, 650, 1], 1000)
+
+
 def test_index_topk_in_chunks():
-    """End to end against select_topk of the kernels' own scores (bitwise the fused kernel's), with one chunk and
-    with chunks of 2 rows (a partial last one); rows with fewer and more than k visible."""
+    """End to end against the reference select of the kernels' own scores (bitwise the fused kernel's), with one
+    chunk and with chunks of 2 rows (a partial last one); ragged rows with fewer and more than k visible, pages
+    of 16 (positions cross page boundaries)."""
     p = make_problem([(300, 3), (200, 1), (40, 2), (150, 1)], 16, 8, 64, torch.float32, seed=8, max_context=320)
     k = 50
-    scores = dsa.index_scores(**p)
-    budgets = {"one chunk": dsa.SCORE_BUDGET_BYTES, "2 rows": 8 * p["max_context"] * 2 + 7}
-    assert dsa.rows_per_chunk(7, p["max_context"], budgets["2 rows"]) == 2
+    expected = dsa_reference.select_topk(dsa.index_scores(**p).cpu(), p["row_limit"].cpu(), k)
+    row_bytes = dsa.workspace_bytes_per_row(p["max_context"], dsa.SELECT_CONFIGS[120].block_g)
+    budgets = {"one chunk": dsa.SCORE_BUDGET_BYTES, "2 rows": 2 * row_bytes + 7}
+    assert dsa.rows_per_chunk(7, row_bytes, budgets["2 rows"]) == 2
     for budget in budgets.values():
         out = torch.full((7, k), -7, dtype=torch.int32, device=DEVICE)
         assert dsa.index_topk(**p, k=k, out=out, budget_bytes=budget) is out
-        assert_valid_topk(out.cpu(), scores.cpu(), p["row_limit"].cpu(), k)
+        assert torch.equal(out.cpu(), expected)
 
 
 def test_index_topk_matches_reference_scores():
     """Against the reference scores themselves (their top k is clear of rounding), in bfloat16 at V3.2's dims."""
     p = make_problem([(700, 2), (90, 1)], 32, dsa.MAX_HEADS, 128, torch.bfloat16, seed=9)
+    expected = dsa_reference.select_topk(reference_scores(p), p["row_limit"], 64)
+    assert torch.equal(dsa.index_topk(**p, k=64).cpu(), expected.cpu())
+
+
+def test_index_topk_zero_ties():
+    """Keys shifted along u and every query -u (positive head weights): all but a few scores are exact zeros in
+    kernel and reference alike, so the selection is the positive ones, then the first zeros by position."""
+    p = make_problem([(900, 3), (130, 1), (600, 2)], 16, 4, 32, torch.float32, seed=14)
+    gen = torch.Generator().manual_seed(14)
+    u = torch.nn.functional.normalize(torch.randn(32, generator=gen), dim=0).to(DEVICE)
+    p["index_cache"] = p["index_cache"] + 2 * u
+    p["q"] = (-u).expand_as(p["q"]).contiguous()
+    p["weights"] = p["weights"].abs()
     ref = reference_scores(p)
-    expected = dsa_reference.select_topk(ref, p["row_limit"], 64)
-    out = dsa.index_topk(**p, k=64)
-    for n in range(3):
-        assert set(out[n].tolist()) == set(expected[n].tolist())
+    num_positive = (ref > 0).sum(-1)
+    assert (num_positive > 0).all() and (num_positive < 128).all() and (p["row_limit"] > 128).all()
+    expected = dsa_reference.select_topk(ref, p["row_limit"], 128)
+    assert torch.equal(dsa.index_topk(**p, k=128).cpu(), expected.cpu())
 
 
 def test_rows_per_chunk():
-    assert dsa.rows_per_chunk(8192, 131072, dsa.SCORE_BUDGET_BYTES) == 256
-    assert dsa.rows_per_chunk(4, 131072, dsa.SCORE_BUDGET_BYTES) == 4
+    row_bytes = dsa.workspace_bytes_per_row(131072, 1024)
+    assert row_bytes == 4 * (131072 + 128 * dsa.TILE_STRIDE + dsa.ROW_STRIDE)
+    assert dsa.rows_per_chunk(8192, row_bytes, dsa.SCORE_BUDGET_BYTES) == 405
+    assert dsa.rows_per_chunk(4, row_bytes, dsa.SCORE_BUDGET_BYTES) == 4
     assert dsa.rows_per_chunk(4, 1 << 30, dsa.SCORE_BUDGET_BYTES) == 1
 
 
@@ -243,6 +285,4 @@ def test_index_topk_cuda_graph_replay():
     for limits in ([3000, 2999, 600], [2100, 17, 599]):
         p["row_limit"].copy_(torch.tensor(limits, dtype=torch.int32))
         graph.replay()
-        expected = dsa.index_topk(**p, k=2048)
-        for n in range(3):
-            assert set(out[n].tolist()) == set(expected[n].tolist())
+        assert torch.equal(out, dsa.index_topk(**p, k=2048))

@@ -91,7 +91,7 @@ def run_prefill(p, pass_total=True):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("page_size", [16, 32])
-@pytest.mark.parametrize("num_splits", [None, 1, 3, 8])
+@pytest.mark.parametrize("num_splits", [None, 1, 3, 8, 11])
 def test_decode_mixed_lengths(dtype, page_size, num_splits):
     p = make_problem([(n - 1, 1) for n in DECODE_LENS], page_size, SMALL, dtype, seed=page_size + (num_splits or 0))
     assert_matches(run_decode(p, num_splits), expected(p), dtype)
