@@ -1,11 +1,18 @@
 """Grouped-query attention (Qwen, Mixtral, GLM, MiniMax, gpt-oss, MiMo): optional q/k/v bias, QK RMSNorm per head or
 over the whole projection (`AttentionConfig.qk_norm`), partial rotary, sliding window, attention sinks, a V head dim
 of its own (`v_head_dim`) and a V scale (`value_scale`). The paged KV cache is bound by the runner (`kv_cache`,
-`cache_group`), the math lives in the backend."""
+`cache_group`), the math lives in the backend.
+
+With the kernels' ops (`DenseOps.is_fused_gate_up`), `fuse_qkv` (called once after loading) puts q, k and v in one
+[q + k + v, H] weight (and bias) that the three Linear weights then view, so one GEMV makes all three (the
+checkpoint names still address them; no memory is added). Projections that keep quantized weights
+(`QuantizedLinear`, placed by the loader) stay three GEMMs, as do the PyTorch ops (the CPU path, bit for bit the
+reference's three products)."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from hybrid.config import AttentionConfig
@@ -35,6 +42,32 @@ class GQAAttention(nn.Module):
         self.backend = backend
         self.kv_cache: tuple[torch.Tensor, ...] = ()
         self.cache_group = 0  # which cache group's pages hold this layer's KV (bound with the cache)
+        self.qkv_weight: torch.Tensor | None = None  # [q + k + v, H] once fused (`fuse_qkv`)
+        self.qkv_bias: torch.Tensor | None = None
+
+    def fuse_qkv(self) -> None:
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        is_plain = all(type(p) is nn.Linear for p in projs) and len({p.weight.dtype for p in projs}) == 1
+        if not self.rotary.ops.is_fused_gate_up or self.qkv_weight is not None or not is_plain:
+            return
+        sizes = [p.weight.shape[0] for p in projs]
+        fused = torch.cat([p.weight.data for p in projs])  # [q + k + v, H]
+        for p, view in zip(projs, fused.split(sizes), strict=True):
+            p.weight.data = view
+        if self.cfg.has_qkv_bias:
+            bias = torch.cat([p.bias.data for p in projs])
+            for p, view in zip(projs, bias.split(sizes), strict=True):
+                p.bias.data = view
+            self.qkv_bias = bias
+        self.qkv_weight = fused
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, H] -> q [T, q_out], k [T, Hkv * D], v [T, Hkv * Dv] (views of one product once fused)."""
+        if self.qkv_weight is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [T, q + k + v]
+        return qkv.split([self.q_proj.weight.shape[0], self.k_proj.weight.shape[0], self.v_proj.weight.shape[0]],
+                         dim=-1)
 
     def kv_cache_shapes(self) -> tuple[tuple[int, int], ...]:
         """Per-slot shapes of this layer's cache tensors: K as [kv_heads, head_dim], V as [kv_heads, v_head_dim]."""
@@ -42,7 +75,7 @@ class GQAAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         cfg, num_tokens = self.cfg, x.shape[0]
-        q, k = self.q_proj(x), self.k_proj(x)  # [T, Hq * D] ([T, Hq * 2D] with the gate), [T, Hkv * D]
+        q, k, v = self._project(x)  # [T, Hq * D] ([T, Hq * 2D] with the gate), [T, Hkv * D], [T, Hkv * Dv]
         gate = None
         if cfg.has_output_gate:  # per head [q | gate]
             q, gate = q.view(num_tokens, cfg.num_heads, 2 * cfg.head_dim).split(cfg.head_dim, dim=-1)
@@ -51,7 +84,7 @@ class GQAAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)  # [T, Hq, D]
         k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)  # [T, Hkv, D]
-        v = self.v_proj(x).view(num_tokens, cfg.num_kv_heads, cfg.v_head_dim)
+        v = v.view(num_tokens, cfg.num_kv_heads, cfg.v_head_dim)
         if cfg.value_scale != 1.0:  # where MiMo's reference scales V: before the cache, so it is stored rounded
             v = v * cfg.value_scale
         if cfg.qk_norm == "per_head":
