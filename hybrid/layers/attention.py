@@ -7,7 +7,8 @@ With the kernels' ops (`DenseOps.is_fused_gate_up`), `fuse_qkv` (called once aft
 [q + k + v, H] weight (and bias) that the three Linear weights then view, so one GEMV makes all three (the
 checkpoint names still address them; no memory is added). Projections that keep quantized weights
 (`QuantizedLinear`, placed by the loader) stay three GEMMs, as do the PyTorch ops (the CPU path, bit for bit the
-reference's three products)."""
+reference's three products). With the Triton attention backend the per-head QK norms, the rotary and the KV-cache
+write then run as one kernel too (`gqa_prepare`, `gpu_layers.qk_rope_cache`)."""
 
 from __future__ import annotations
 
@@ -69,6 +70,16 @@ class GQAAttention(nn.Module):
         return qkv.split([self.q_proj.weight.shape[0], self.k_proj.weight.shape[0], self.v_proj.weight.shape[0]],
                          dim=-1)
 
+    def prepares_in_one_kernel(self, dtype: torch.dtype) -> bool:
+        """Per-head QK norm (plain RMSNorm) or none, rotary and the cache write as one kernel: where the backend
+        has it (`gqa_prepare`) for these dims; the other norms keep their own kernels."""
+        cfg = self.cfg
+        if not hasattr(self.backend, "gqa_prepare") or cfg.qk_norm not in ("per_head", "none"):
+            return False
+        if cfg.qk_norm == "per_head" and not (type(self.q_norm) is RMSNorm and type(self.k_norm) is RMSNorm):
+            return False
+        return self.backend.supports_gqa_prepare(cfg.head_dim, cfg.v_head_dim, self.rotary.rope.rotary_dim, dtype)
+
     def kv_cache_shapes(self) -> tuple[tuple[int, int], ...]:
         """Per-slot shapes of this layer's cache tensors: K as [kv_heads, head_dim], V as [kv_heads, v_head_dim]."""
         return ((self.cfg.num_kv_heads, self.cfg.head_dim), (self.cfg.num_kv_heads, self.cfg.v_head_dim))
@@ -87,13 +98,21 @@ class GQAAttention(nn.Module):
         v = v.view(num_tokens, cfg.num_kv_heads, cfg.v_head_dim)
         if cfg.value_scale != 1.0:  # where MiMo's reference scales V: before the cache, so it is stored rounded
             v = v * cfg.value_scale
-        if cfg.qk_norm == "per_head":
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(batch.positions, q, k)
         # the kernels take float32 sinks; a bf16 checkpoint's values widen exactly
         sinks = self.sinks.float() if cfg.has_sinks else None
-        out = self.backend.gqa(q, k, v, self.kv_cache, batch.for_group(self.cache_group), cfg.scale,
-                               cfg.sliding_window, sinks)
+        group_batch = batch.for_group(self.cache_group)
+        if self.prepares_in_one_kernel(q.dtype):
+            is_normed = cfg.qk_norm == "per_head"
+            q = self.backend.gqa_prepare(q, k, v, self.q_norm.weight if is_normed else None,
+                                         self.k_norm.weight if is_normed else None,
+                                         self.q_norm.eps if is_normed else 0.0, self.rotary, self.kv_cache,
+                                         group_batch)
+            out = self.backend.gqa_cached(q, self.kv_cache, group_batch, cfg.scale, cfg.sliding_window, sinks)
+        else:
+            if cfg.qk_norm == "per_head":
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rotary(batch.positions, q, k)
+            out = self.backend.gqa(q, k, v, self.kv_cache, group_batch, cfg.scale, cfg.sliding_window, sinks)
         out = out.reshape(num_tokens, cfg.num_heads * cfg.v_head_dim)
         if gate is not None:
             out = out * torch.sigmoid(gate)
