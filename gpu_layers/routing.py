@@ -29,9 +29,10 @@ MIN_BLOCK_E, MAX_BLOCK_E = 16, 512
 MAX_TOP_K = 16  # BLOCK_K: the widest top-k a model uses is 10 (Qwen3-Next)
 GROUP_SCORES = {"none": 0, "max": 1, "top2_sum": 2}
 MAX_FUSED_TOKENS = 16  # router_topk (GEMV and top-k in one launch) serves decode-sized steps up to here
-# router_topk: BLOCK_EC experts per program (E / 8 programs for E = 128), BLOCK_H columns a step: a [8, 256] weight
-# tile, 16 elements a thread over 4 warps.
-_ROUTER_CONFIG = {"BLOCK_EC": 8, "BLOCK_H": 256, "num_warps": 4}
+# router_topk: BLOCK_EC experts per program, BLOCK_H columns a step: 2 x 2048 weights (32 a thread over 4 warps), so
+# a Qwen3 router (128 x 2048) is 64 programs of one load each (the column loop is a while loop, which Triton does
+# not pipeline: few, wide steps), DeepSeek-V3's (256 x 7168) 128 programs of four.
+_ROUTER_CONFIG = {"BLOCK_EC": 2, "BLOCK_H": 2048, "num_warps": 4}
 ROUTER_CONFIGS = {89: _ROUTER_CONFIG, 90: _ROUTER_CONFIG, 120: _ROUTER_CONFIG}
 
 # BLOCK_E -> num_warps: one warp up to 256 experts (8 per thread), two beyond.
