@@ -64,17 +64,16 @@ class Router(_HoldsCorrectionBias):
         from gpu_layers.routing import MAX_FUSED_TOKENS
 
         return (self.ops.router_topk is not None and 1 <= x.shape[0] <= MAX_FUSED_TOKENS
-                and (x.dtype == self.weight.dtype or self.moe.router_in_fp32) and x.stride(-1) == 1)
+                and x.dtype == self.weight.dtype and x.stride(-1) == 1)
 
     def _route(self, x: torch.Tensor, correction_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         moe = self.moe
         if self._is_fused(x):
-            weight = self.weight
-            if moe.router_in_fp32 and x.dtype != torch.float32:  # rare (a float32 router in a 16-bit model)
-                x, weight = x.float(), weight.float()
-            # both unfused paths round the GEMV's output to x's dtype unless the router runs in float32
+            # The kernel multiplies in float32 (16-bit products are exact there: a router "in float32" needs no
+            # converted copies) and rounds the logits to x's dtype unless the router runs in float32, as the
+            # unfused GEMV's output is rounded.
             return self.ops.router_topk(
-                x, weight, correction_bias, self.route_counter, moe.top_k, moe.num_groups, moe.topk_group,
+                x, self.weight, correction_bias, self.route_counter, moe.top_k, moe.num_groups, moe.topk_group,
                 moe.scoring, moe.group_score, moe.norm_topk_prob, moe.routed_scaling_factor, moe.router_in_fp32)
         if moe.router_in_fp32:
             logits = F.linear(x.float(), self.weight.float())
