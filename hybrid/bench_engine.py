@@ -12,6 +12,7 @@ outside the CPU experts that does not overlap them (on a CPU-only machine: all o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import tempfile
 import time
@@ -146,12 +147,10 @@ def _decode(engine: Engine, prompts: list[list[int]], new_tokens: int, timer: Cp
     return seconds, step_seconds, tokens
 
 
-def gpu_only_step_seconds(engine: Engine, llm: LLM, prompts, new_tokens: int, timer: CpuExpertsTimer
-                          ) -> float | None:
-    """The decode step with the CPU experts answering at once (zeros): the GPU's own time plus the hand-off's;
-    None off CUDA."""
-    if not llm.engine_config.is_cuda:
-        return None
+@contextlib.contextmanager
+def cpu_experts_answer_at_once(engine: Engine, llm: LLM):
+    """Inside: every CPU-experts call returns zeros at once (worker and decode pool), leaving the GPU's own work
+    and the hand-off."""
     modules = [m for m in llm.model.modules() if isinstance(m, CpuExperts)]
     saved = [m.compute for m in modules]
     for m in modules:
@@ -160,13 +159,65 @@ def gpu_only_step_seconds(engine: Engine, llm: LLM, prompts, new_tokens: int, ti
     if pool is not None:
         pool.skip_compute = True
     try:
-        seconds, step_seconds, _ = _decode(engine, prompts, new_tokens, timer)
+        yield
     finally:
         for m, compute in zip(modules, saved, strict=True):
             m.compute = compute
         if pool is not None:
             pool.skip_compute = False
+
+
+def gpu_only_step_seconds(engine: Engine, llm: LLM, prompts, new_tokens: int, timer: CpuExpertsTimer
+                          ) -> float | None:
+    """The decode step with the CPU experts answering at once (zeros): the GPU's own time plus the hand-off's;
+    None off CUDA."""
+    if not llm.engine_config.is_cuda:
+        return None
+    with cpu_experts_answer_at_once(engine, llm):
+        seconds, step_seconds, _ = _decode(engine, prompts, new_tokens, timer)
     return seconds / max(len(step_seconds), 1)
+
+
+def profile_decode(engine: Engine, llm: LLM, args) -> list[tuple[str, float, float]]:
+    """torch.profiler over `args.profile` decode steps of the GPU-alone step (CPU experts answering at once; the
+    prompts' step runs before the profiler starts) -> (kernel or copy, launches per step, GPU microseconds per
+    step), most time first."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    vocab = llm.config.vocab_size
+    with cpu_experts_answer_at_once(engine, llm):
+        ids = [engine.add_request(torch.randint(vocab, (args.context,)).tolist(), DECODE_SAMPLING,
+                                  max_tokens=args.profile + 1, ignore_eos=True) for _ in range(args.batch)]
+        while not all(engine.requests[i].output_ids for i in ids):
+            engine.step()
+        torch.cuda.synchronize()
+        steps = 0
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            while engine.has_work():
+                engine.step()
+                steps += 1
+            torch.cuda.synchronize()
+        for i in ids:
+            engine.requests.pop(i)
+    rows = []
+    for event in prof.key_averages():
+        device_us = getattr(event, "self_device_time_total", 0)
+        if event.device_type == DeviceType.CUDA and device_us > 0:  # kernels and copies, graph nodes included
+            rows.append((event.key, event.count / max(steps, 1), device_us / max(steps, 1)))
+    return sorted(rows, key=lambda row: -row[2])
+
+
+def print_profile(rows: list[tuple[str, float, float]], num_layers: int, top: int = 30) -> None:
+    if not rows:
+        print("GPU-alone decode step by kernel: the profiler recorded no device activity")
+        return
+    launches, total_us = sum(r[1] for r in rows), sum(r[2] for r in rows)
+    print(f"GPU-alone decode step by kernel (torch.profiler, per step): {launches:.0f} launches, {total_us:.0f} us "
+          f"of kernel time ({launches / num_layers:.1f} launches, {total_us / num_layers:.1f} us per layer)")
+    print(f"{'us/step':>9} {'calls/step':>10}  kernel")
+    for name, calls, device_us in rows[:top]:
+        print(f"{device_us:9.1f} {calls:10.1f}  {name[:100]}")
 
 
 def deferral_kl(llm: LLM, num_tokens: int = 256) -> float | None:
@@ -301,6 +352,8 @@ def run(args) -> dict:
     read_before = bandwidth()
     m = (_measure_prefill if args.mode == "prefill" else _measure_decode)(engine, llm, args, timer)
     read_bw = (read_before + bandwidth()) / 2  # the host's rate drifts: passes on both sides of the timing
+    is_profiled = args.mode == "decode" and args.profile and config.is_cuda
+    profile_rows = profile_decode(engine, llm, args) if is_profiled else None
     engine.close()
     kl = deferral_kl(llm)
     llm.close()
@@ -326,7 +379,8 @@ def run(args) -> dict:
             "cpu_call_hot_ms": _ms(m["hot_s"]), "not_cpu_ms": (step_s - cpu_s) * 1e3, "read_gb_s": read_bw / 1e9,
             "bound_ms": bound_s * 1e3, "of_bound": bound_s / step_s, "defer_experts": config.defer_experts,
             "deferral_kl": kl, "streamed_gb": None if streamed_bytes is None else streamed_bytes / 1e9,
-            "link_gb_s": None if link_bw is None else link_bw / 1e9}
+            "link_gb_s": None if link_bw is None else link_bw / 1e9, "profile": profile_rows,
+            "num_layers": llm.config.num_layers}
 
 
 def main(argv: list[str], mode: str) -> int:
@@ -342,6 +396,9 @@ def main(argv: list[str], mode: str) -> int:
     parser.add_argument("--batch", type=int, default=1, help="decode: concurrent requests")
     parser.add_argument("--tokens", type=int, default=32 if mode == "decode" else 2048)
     if mode == "decode":
+        parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                            help="after the timing, print the GPU time per kernel of STEPS GPU-alone decode steps "
+                                 "(torch.profiler; CUDA only)")
         parser.add_argument("--context", type=int, default=DECODE_PROMPT_TOKENS,
                             help="each request's prompt tokens before the timed decode steps (long contexts are "
                                  "prefilled in chunks of --max-num-batched-tokens)")
@@ -373,6 +430,8 @@ def main(argv: list[str], mode: str) -> int:
     if row["cpu_call_ms"] is not None and row["cpu_call_hot_ms"] is not None:
         print(f"CPU experts per call: {row['cpu_call_ms']:.3f} ms in the engine, {row['cpu_call_hot_ms']:.3f} ms "
               f"repeated back to back")
+    if row["profile"] is not None:
+        print_profile(row["profile"], row["num_layers"])
     if row["deferral_kl"] is not None:
         print(f"defer_experts {row['defer_experts']}: KL(exact || deferred) {row['deferral_kl']:.2e} nats/token")
     return 0

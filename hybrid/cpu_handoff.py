@@ -7,8 +7,9 @@ explicitly (`step_mode`), never inferred from ambient state:
   collect waits. Without an executor (a model built by hand, debugging) the experts run inline at submit.
 - `StepMode.GRAPH`: a decode step captured into a CUDA graph (`hybrid.cuda_graphs`): device work only. Submit
   copies the tokens into the `FlagWorker`'s pinned buffers and posts the layer on a flag in page-locked memory;
-  collect waits on the GPU for the worker's done flag and copies the output back (`GraphHandoff`). The host arms
-  the worker (or the decode pool serving the same flags) before each replay.
+  collect waits on the GPU for the worker's done flag and copies the output back (`GraphHandoff`: a staging kernel
+  and the flag's on the way in, the flag's wait and a fetching kernel on the way out, `gpu_layers.handoff`). The
+  host arms the worker (or the decode pool serving the same flags) before each replay.
 
 One submit may be in flight at a time: the CPU experts run one layer after another.
 """
@@ -22,7 +23,7 @@ import torch
 
 from cpu_experts.flag_worker import DONE, REQUEST, FlagWorker
 from cpu_experts.module import CpuExperts
-from gpu_layers.handoff import post_flag, wait_flag
+from gpu_layers.handoff import fetch_rows, post_flag, stage_tokens, wait_flag
 
 
 class StepMode(enum.Enum):
@@ -31,35 +32,33 @@ class StepMode(enum.Enum):
 
 
 class GraphHandoff:
-    """The graph side of the hand-off: only device work and copies, no host decisions. Rows at or past the step's
-    batch (`valid_rows` False) are routed nowhere (ids -1)."""
+    """The graph side of the hand-off: only device work, no host decisions. Rows at or past the step's batch
+    (`valid_rows` False) are routed nowhere (ids -1). Takes the layer's tensors as they come (ids int32 or int64,
+    hidden in the activation dtype): the staging kernel converts them into the worker's buffers."""
 
     def __init__(self, worker: FlagWorker, device: torch.device):
         self.worker = worker
         self.dtype = worker.dtype
         self.valid_rows = torch.zeros(worker.max_tokens, 1, dtype=torch.bool, device=device)
-        self.out = torch.zeros(worker.max_tokens, worker.hidden_size, dtype=worker.dtype, device=device)
         self.request_flag = worker.flags[REQUEST:REQUEST + 1]
         self.done_flag = worker.flags[DONE:DONE + 1]
         self._pending: tuple[int, int] | None = None
 
     def submit(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
-        num_tokens = hidden.shape[0]
-        w = self.worker
-        w._validate(hidden, topk_ids, topk_weights)
-        topk_ids = topk_ids.masked_fill(~self.valid_rows[:num_tokens], -1)
-        w.hidden_buffer[:num_tokens].copy_(hidden, non_blocking=True)
-        w.ids_buffer[:num_tokens].copy_(topk_ids, non_blocking=True)
-        w.weights_buffer[:num_tokens].copy_(topk_weights, non_blocking=True)
-        post_flag(self.request_flag, layer + 1)  # stream order: after the copies have landed
+        num_tokens, w = hidden.shape[0], self.worker
+        if num_tokens > w.max_tokens:
+            raise ValueError(f"hidden has {num_tokens} rows, the graph hand-off's buffers {w.max_tokens}")
+        stage_tokens(hidden, topk_ids, topk_weights.float(), self.valid_rows[:num_tokens],
+                     w.hidden_buffer[:num_tokens], w.ids_buffer[:num_tokens], w.weights_buffer[:num_tokens])
+        post_flag(self.request_flag, layer + 1)  # stream order: after the staged rows have landed
         self._pending = (layer, num_tokens)
 
-    def sync(self) -> torch.Tensor:
+    def sync(self, like: torch.Tensor) -> torch.Tensor:
+        """The layer's output [T, H], a new tensor in `like`'s dtype on its device."""
         layer, num_tokens = self._pending
         self._pending = None
         wait_flag(self.done_flag, layer + 1)
-        self.out[:num_tokens].copy_(self.worker.out_buffer[:num_tokens], non_blocking=True)
-        return self.out[:num_tokens]
+        return fetch_rows(self.worker.out_buffer[:num_tokens], like.dtype, like.device)
 
 
 class CpuHandoff:
@@ -92,8 +91,10 @@ class CpuHandoff:
         target = self._target()
         if target is None:
             self._inline = cpu(hidden, topk_ids, topk_weights)
-            return
-        target.submit(cpu.layer_idx, hidden.detach().to(target.dtype), topk_ids.long(), topk_weights.float())
+        elif target is self.graph:  # converts as it stages
+            target.submit(cpu.layer_idx, hidden.detach(), topk_ids, topk_weights)
+        else:
+            target.submit(cpu.layer_idx, hidden.detach().to(target.dtype), topk_ids.long(), topk_weights.float())
 
     def collect(self, like: torch.Tensor) -> torch.Tensor:
         """The submitted layer's output [T, H] on `like`'s device and dtype (a copy: the buffers are reused)."""
@@ -101,4 +102,6 @@ class CpuHandoff:
         if target is None:
             out, self._inline = self._inline, None
             return out.to(device=like.device, dtype=like.dtype)
+        if target is self.graph:
+            return target.sync(like)
         return target.sync().to(device=like.device, dtype=like.dtype, copy=True)

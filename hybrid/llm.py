@@ -99,6 +99,8 @@ class LLM:
         for module in self.model.modules():
             if hasattr(module, "fuse_gate_up"):
                 module.fuse_gate_up()  # the kernels' stacked gate/up layout (MLPs: only when the ops use it)
+            if hasattr(module, "fuse_qkv"):
+                module.fuse_qkv()  # attention's q/k/v as one GEMV (only with the kernels' ops)
         streamed = [m.streamed for m in self.model.modules() if isinstance(m, RoutedExperts) and m.streamed]
         self.expert_stream, self.num_pinned_bytes = attach_streamed(streamed, cfg.device) if streamed else (None, 0)
         if num_threads is not None:

@@ -9,6 +9,7 @@ path's own bf16 error."""
 from __future__ import annotations
 
 import pytest
+import torch
 import transformers
 from checkpoints import SEEDS, hf_generate, hf_logits, kernel_config, make_checkpoint, prompt
 from gpu_support import DEVICE
@@ -29,7 +30,10 @@ def _checkpoint(tmp_path, name):
 def test_prefill_logits_match_transformers(tmp_path, name):
     model = _checkpoint(tmp_path, name).to(DEVICE)
     llm = LLM(tmp_path, device=str(DEVICE), dtype="float32", kernels="triton", expert_placement="device")
-    assert isinstance(llm.model.model.layers[0].self_attn.backend, TritonAttentionBackend)
+    attention = llm.model.model.layers[0].self_attn
+    assert isinstance(attention.backend, TritonAttentionBackend)
+    if name == "qwen3_moe":  # q, k and v in one GEMV (`fuse_qkv`), QK-norm + rotary + KV write in one kernel
+        assert attention.qkv_weight is not None and attention.prepares_in_one_kernel(torch.float32)
     ids = prompt(19, seed=4)  # crosses a KV page of 16
     ref, ours = hf_logits(model, ids), llm.prefill_logits(ids)
     assert (ours - ref.to(ours.device)).abs().max() <= REL_TOL * ref.abs().max()

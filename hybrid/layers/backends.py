@@ -148,6 +148,31 @@ class TritonAttentionBackend(_TorchGatedDeltaNet):
         k_cache, v_cache = kv_cache
         self.kv_cache.write_kv_cache(k_cache, k, batch.slot_mapping)
         self.kv_cache.write_kv_cache(v_cache, v, batch.slot_mapping)
+        return self.gqa_cached(q, kv_cache, batch, scale, sliding_window, sinks)
+
+    @staticmethod
+    def supports_gqa_prepare(head_dim: int, v_head_dim: int, rotary_dim: int, dtype: torch.dtype) -> bool:
+        """Whether `gqa_prepare` takes these dims and dtype (`gpu_layers.qk_rope_cache`)."""
+        from gpu_layers import qk_rope_cache
+
+        return qk_rope_cache.supports(head_dim, v_head_dim, rotary_dim, dtype)
+
+    def gqa_prepare(self, q, k, v, q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None,
+                    eps: float, rotary, kv_cache, batch: ForwardBatch) -> torch.Tensor:
+        """One kernel for what the layer's QK norms, its rotary and `gqa`'s cache writes do: q, k [T, H, D], v
+        [T, Hkv, Dv] (views of the QKV product) -> q normed and rotated [T, Hq, D], with k and v in the cache; then
+        `gqa_cached` attends."""
+        from gpu_layers import qk_rope_cache
+
+        k_cache, v_cache = kv_cache
+        return qk_rope_cache.qk_norm_rope_cache(
+            q, k, v, q_norm_weight, k_norm_weight, eps, batch.positions, rotary.inv_freq, rotary.attention_factor,
+            rotary.is_interleaved, k_cache, v_cache, batch.slot_mapping)
+
+    def gqa_cached(self, q, kv_cache, batch: ForwardBatch, scale: float, sliding_window: int | None,
+                   sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """`gqa` once the step's keys and values are in the cache."""
+        k_cache, v_cache = kv_cache
         if max(batch.query_lens_cpu) == 1:
             return self.attention.paged_decode_attention(
                 q, k_cache, v_cache, batch.block_tables, batch.seq_lens, scale, sliding_window,

@@ -43,6 +43,12 @@ class Router(_HoldsCorrectionBias):
         self.recorder = None  # `hybrid.placement.RoutingRecorder` and this layer's index, when recording
         self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size))
         self._register_correction_bias(moe, "gate")
+        # the fused router's completion counter (`gpu_layers.routing.router_topk`), 0 between launches
+        self.register_buffer("route_counter", torch.zeros(1, dtype=torch.int32), persistent=False)
+
+    def reset_buffers(self) -> None:
+        """Zeroed after the model was built on the meta device (like the rotary frequencies)."""
+        self.route_counter = torch.zeros(1, dtype=torch.int32, device=self.route_counter.device)
 
     def forward(self, x: torch.Tensor, correction_bias: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,8 +59,22 @@ class Router(_HoldsCorrectionBias):
             recorder.add(layer_idx, ids)
         return weights, ids
 
+    def _is_fused(self, x: torch.Tensor) -> bool:
+        """Decode-sized steps on the kernels' ops: the GEMV and the top-k in one launch (larger steps: two)."""
+        from gpu_layers.routing import MAX_FUSED_TOKENS
+
+        return (self.ops.router_topk is not None and 1 <= x.shape[0] <= MAX_FUSED_TOKENS
+                and x.dtype == self.weight.dtype and x.stride(-1) == 1)
+
     def _route(self, x: torch.Tensor, correction_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         moe = self.moe
+        if self._is_fused(x):
+            # The kernel multiplies in float32 (16-bit products are exact there: a router "in float32" needs no
+            # converted copies) and rounds the logits to x's dtype unless the router runs in float32, as the
+            # unfused GEMV's output is rounded.
+            return self.ops.router_topk(
+                x, self.weight, correction_bias, self.route_counter, moe.top_k, moe.num_groups, moe.topk_group,
+                moe.scoring, moe.group_score, moe.norm_topk_prob, moe.routed_scaling_factor, moe.router_in_fp32)
         if moe.router_in_fp32:
             logits = F.linear(x.float(), self.weight.float())
         else:

@@ -8,6 +8,8 @@ Each entry takes plain tensors:
   (both rotate in place and return the same tensors)
 - silu_and_mul(gate_up [T, 2I]) -> [T, I]
 - softmax_topk / grouped_topk: as `gpu_layers.reference` (weights float32 [T, K], ids [T, K])
+- router_topk: the router's GEMV and its top-k in one launch for decode-sized steps (`gpu_layers.routing`), or None
+  (the PyTorch ops: the GEMV, then the top-k)
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class DenseOps:
     silu_and_mul: Callable
     softmax_topk: Callable
     grouped_topk: Callable
+    router_topk: Callable | None = None
 
     @property
     def is_fused_gate_up(self) -> bool:
@@ -43,7 +46,7 @@ def triton_ops() -> DenseOps:
     from gpu_layers import activation, norm, rotary, routing
 
     return DenseOps("triton", norm.rms_norm, rotary.rotary_embedding, activation.silu_and_mul,
-                    routing.softmax_topk, routing.grouped_topk)
+                    routing.softmax_topk, routing.grouped_topk, routing.router_topk)
 
 
 def dense_ops_for(device: torch.device | str, kernels: str = "auto") -> DenseOps:

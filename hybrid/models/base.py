@@ -39,9 +39,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = norm_cls(hidden_size, eps, ops)
         self.post_attention_layernorm = norm_cls(hidden_size, eps, ops)
 
-    def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        hidden = hidden + getattr(self, self.mixer_name)(self.input_layernorm(hidden), batch)
-        return hidden + getattr(self, self.ff_name)(self.post_attention_layernorm(hidden))
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
+                batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block output, residual stream) of the layer before (residual None at the first layer) -> this layer's.
+        The residual adds happen inside the next norm (`RMSNorm.forward` with a residual: one fused kernel)."""
+        if residual is None:
+            residual, normed = hidden, self.input_layernorm(hidden)
+        else:
+            normed, residual = self.input_layernorm(hidden, residual)
+        hidden = getattr(self, self.mixer_name)(normed, batch)
+        normed, residual = self.post_attention_layernorm(hidden, residual)
+        return getattr(self, self.ff_name)(normed), residual
 
 
 class MoECausalLM(nn.Module):
@@ -146,10 +154,12 @@ class MoECausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """input_ids [T] -> final hidden states [T, H]."""
-        hidden = self.model.embed_tokens(input_ids)
+        hidden, residual = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
-            hidden = layer(hidden, batch)
-        return self.model.norm(hidden)
+            hidden, residual = layer(hidden, residual, batch)
+        if residual is None:  # no layers
+            return self.model.norm(hidden)
+        return self.model.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> float32 logits [N, V]."""
