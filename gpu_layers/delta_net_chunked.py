@@ -46,8 +46,9 @@ BLOCK_SEQS = tl.constexpr(128)  # sequences scanned at a time to find a chunk's 
 _BF16 = ((32, 8, 1), (16, 8, 1))
 _CONFIGS = {(64, 64, 2): _BF16, (64, 128, 2): _BF16, (128, 64, 2): _BF16, (128, 128, 2): _BF16,
             (64, 64, 4): _BF16, (64, 128, 4): _BF16, (128, 64, 4): None, (128, 128, 4): None}
-CONFIGS = {89: _CONFIGS, 90: _CONFIGS, 120: _CONFIGS}
-
+_CONFIGS_SM89 = {**_CONFIGS, (128, 64, 2): ((16, 8, 1), (16, 8, 1))}  # BLOCK_K 32 spills there
+_CONFIGS_SM90 = {**_CONFIGS_SM89}
+CONFIGS = {89: _CONFIGS_SM89, 90: _CONFIGS_SM90, 120: _CONFIGS}
 
 # ----------------------------------------------------------------------------------------------- prepare
 

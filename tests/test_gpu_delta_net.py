@@ -92,7 +92,8 @@ def test_prefill_chunk_boundaries():
 
 
 def test_prefill_gqa_heads_and_dims():
-    run_prefill([70, 9], [2, 4], [True, True], num_k_heads=2, num_v_heads=4, head_dim=128)
+    """Dk = Dv = 128 (the served shape) runs chunked in bf16; float32 there takes the token-sequential kernel."""
+    run_prefill([70, 9], [2, 4], [True, True], torch.bfloat16, num_k_heads=2, num_v_heads=4, head_dim=128)
 
 
 def test_prefill_long_sequence_and_slow_decay():
