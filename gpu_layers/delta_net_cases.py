@@ -24,7 +24,6 @@ from gpu_layers.delta_net import (
     decode_config,
     gated_delta_rule_decode,
     gated_delta_rule_decode_kernel,
-    gated_delta_rule_prefill,
     gated_delta_rule_prefill_kernel,
     gated_delta_rule_prefill_sequential,
     prefill_config,
@@ -148,8 +147,13 @@ def bench() -> list[tuple]:
     flops = 6 * num_tokens * NUM_V_HEADS * HEAD_DIM * HEAD_DIM
     num_bytes = 2 * (q.numel() + k.numel() + 2 * v.numel())
     args = (q, k, v, g, beta, cu_seqlens, pool, slots, initial, scale)
-    cases.append((f"delta_net.gdn_prefill T={num_tokens}", functools.partial(gated_delta_rule_prefill, *args),
-                  num_bytes, flops, functools.partial(gated_delta_rule_prefill_sequential, *args)))
+    # The chunked kernels with SM120's configs, whatever this device's tables say (Hopper's have none at Dk = 128),
+    # against the token-sequential kernel.
+    prepare_cfg, state_cfg = delta_net_chunked.CONFIGS[120][(HEAD_DIM, HEAD_DIM, 2)]
+    chunked = functools.partial(delta_net_chunked.chunked_prefill, *args, torch.empty_like(v),
+                                NUM_V_HEADS // NUM_K_HEADS, 120, prepare_cfg, state_cfg)
+    cases.append((f"delta_net.gdn_prefill T={num_tokens} chunked", chunked, num_bytes, flops,
+                  functools.partial(gated_delta_rule_prefill_sequential, *args)))
     for batch in (1, 8, 32, 64):
         q, k, v, g, beta = _inputs(batch, device)
         rows = torch.arange(batch, dtype=torch.int32, device=device)
@@ -167,10 +171,11 @@ def bench() -> list[tuple]:
     return cases
 
 
-def tune(num_tokens: int = 8192, prepare_cfgs=((32, 8, 1), (64, 8, 1), (32, 4, 1)),
-         state_cfgs=((16, 8, 1), (16, 8, 2), (16, 8, 3), (32, 8, 2), (16, 4, 2), (32, 4, 2))) -> list[str]:
-    """The chunked prefill at the bench's shapes under other configs (device runs, to choose the tables' entries;
-    configs outside the tables are not gate-checked): one line per config, microseconds of both launches."""
+def tune(num_tokens: int = 8192, prepare_cfgs=((16, 8, 1), (64, 8, 1), (32, 4, 1)),
+         state_cfgs=((16, 8, 2), (32, 8, 1), (32, 8, 2), (64, 8, 1), (16, 4, 1))) -> list[str]:
+    """The chunked prefill at the bench's shapes under SM120's configs and variants of one kernel's (device runs,
+    to choose the tables' entries; variants are not gate-checked): one line per config, microseconds of both
+    launches."""
     import triton.testing
 
     from gpu_layers.capability import capability_of
@@ -183,8 +188,8 @@ def tune(num_tokens: int = 8192, prepare_cfgs=((32, 8, 1), (64, 8, 1), (32, 4, 1
     initial = torch.ones(1, dtype=torch.bool, device=device)
     out = torch.empty_like(v)
     capability = capability_of(device)
-    default = delta_net_chunked.chunk_configs(capability, HEAD_DIM, HEAD_DIM, q.dtype)
-    configs = [(p, default[1]) for p in prepare_cfgs] + [(default[0], s) for s in state_cfgs]
+    default = delta_net_chunked.CONFIGS[120][(HEAD_DIM, HEAD_DIM, 2)]
+    configs = [default] + [(p, default[1]) for p in prepare_cfgs] + [(default[0], s) for s in state_cfgs]
     lines = []
     for prepare_cfg, state_cfg in configs:
         def run(prepare_cfg=prepare_cfg, state_cfg=state_cfg):
