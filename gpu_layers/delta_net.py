@@ -15,17 +15,17 @@ Why it is built this way:
 - Our own Triton kernels, not fla-core's: fla is not a dependency, and its kernels are autotuned over many configs
   and split into several launches with intermediate tensors, each of which the SM120 gate would have to cover;
   these few fixed configs are all the runtime can select, and all of them are in the gate.
-- Prefill is, for now, sequential: one program owns (sequence, v head, BLOCK_V columns of S), keeps its slice of S
-  in registers over the whole sequence and steps token by token (the decode step in a loop), one launch, no
-  intermediates. A one-kernel chunked (64) UT-form version (T = (I + tril(beta k k^T decay, -1))^-1 by forward
-  substitution, then dots) matched the reference but spilled on every target at 4-8 warps (2-30 KB of ptxas
-  spills), so it fails the gate; the chunked kernel to reach the matmul-rate target has to be split as fla splits
-  it (a UT/inverse kernel writing w and u, then the state-passing kernel).
+- Prefill is chunked (64 tokens, the WY / UT form; gpu_layers.delta_net_chunked): a parallel launch over every
+  (chunk, v head) builds the chunk's W, U and causal q.k matrix, then one program per (sequence, v head, BLOCK_V
+  columns of S) walks the sequence chunk by chunk with its slice of S in registers. The token-sequential kernel
+  (the decode step in a loop) stays as the benchmark's baseline and for float32 at Dk = 128, where no chunked
+  config fits the gate.
 - Decode is one token per (row, v head, BLOCK_V columns): read the state slice, update, write it back. Grids come
   from shapes only and a slot < 0 marks a padding row (output zero, state untouched), so it is CUDA-graph safe.
 - The conv state is written by a second launch: the first tile of a sequence reads the old state, and programs of
   one launch are not ordered, so the new state cannot be written in the same kernel.
-- Everything inside is float32 (inputs widened on load), so bf16 and fp32 inputs differ only in rounding.
+- Everything inside is float32 (inputs widened on load), so bf16 and fp32 inputs differ only in rounding; but the
+  chunked prefill's dots take bf16 operands for bf16 inputs (the state rounded to bf16 as an operand).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from gpu_layers import delta_net_chunked
 from gpu_layers.capability import GateCase, capability_of, select
 
 SUPPORTED_DTYPES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
@@ -388,18 +389,39 @@ def _check_delta(q, k, v, g, beta, state_pool) -> int:
     return num_v_heads // num_k_heads
 
 
+def _check_prefill(q, k, v, g, beta, cu_seqlens, state_pool, state_slots, has_initial_state, out):
+    """Checks a prefill's tensors; returns (GQA group, out)."""
+    group = _check_delta(q, k, v, g, beta, state_pool)
+    _check_slots(state_slots, state_slots.shape[0], has_initial_state, cu_seqlens)
+    _check_device(q, cu_seqlens=cu_seqlens, state_slots=state_slots, has_initial_state=has_initial_state)
+    return group, _output(out, tuple(v.shape), v)
+
+
 def gated_delta_rule_prefill(q, k, v, g, beta, cu_seqlens, state_pool, state_slots, has_initial_state,
                              scale: float, out=None) -> torch.Tensor:
     """Gated delta rule over packed sequences: q, k [T, Hk, Dk], v [T, Hv, Dv], g, beta [T, Hv] float32
     -> o [T, Hv, Dv]; sequence b resumes from state_pool[state_slots[b]] if has_initial_state[b] (else zeros) and
-    leaves its final state there. q and k are L2-normalised here. Reference:
+    leaves its final state there. q and k are L2-normalised here. Chunked (gpu_layers.delta_net_chunked: two
+    launches and a workspace of T * Hv * (Dk + Dv + 64) elements); no host syncs. Reference:
     gpu_layers.delta_net_reference.gated_delta_rule_prefill."""
-    group = _check_delta(q, k, v, g, beta, state_pool)
+    group, out = _check_prefill(q, k, v, g, beta, cu_seqlens, state_pool, state_slots, has_initial_state, out)
+    capability = capability_of(q.device)
+    if delta_net_chunked.chunk_configs(capability, q.shape[2], v.shape[2], q.dtype) is None:
+        return gated_delta_rule_prefill_sequential(q, k, v, g, beta, cu_seqlens, state_pool, state_slots,
+                                                   has_initial_state, scale, out)
+    if state_slots.shape[0] > 0:
+        delta_net_chunked.chunked_prefill(q, k, v, g, beta, cu_seqlens, state_pool, state_slots, has_initial_state,
+                                          scale, out, group, capability)
+    return out
+
+
+def gated_delta_rule_prefill_sequential(q, k, v, g, beta, cu_seqlens, state_pool, state_slots, has_initial_state,
+                                        scale: float, out=None) -> torch.Tensor:
+    """gated_delta_rule_prefill token by token (one launch, no workspace): the chunked kernels' baseline in
+    `hybrid-bench kernels`, and the prefill where they have no config (float32 at Dk = 128)."""
+    group, out = _check_prefill(q, k, v, g, beta, cu_seqlens, state_pool, state_slots, has_initial_state, out)
     num_seqs = state_slots.shape[0]
-    _check_slots(state_slots, num_seqs, has_initial_state, cu_seqlens)
-    _check_device(q, cu_seqlens=cu_seqlens, state_slots=state_slots, has_initial_state=has_initial_state)
     num_v_heads, v_head_dim = v.shape[1:]
-    out = _output(out, tuple(v.shape), v)
     if num_seqs == 0:
         return out
     block_v, num_warps, num_stages = prefill_config(capability_of(q.device), v_head_dim, q.dtype)

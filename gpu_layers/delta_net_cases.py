@@ -8,6 +8,7 @@ import functools
 import torch
 import triton
 
+from gpu_layers import delta_net_chunked
 from gpu_layers.capability import GateCase
 from gpu_layers.delta_net import (
     CONV_CONFIGS,
@@ -23,8 +24,8 @@ from gpu_layers.delta_net import (
     decode_config,
     gated_delta_rule_decode,
     gated_delta_rule_decode_kernel,
-    gated_delta_rule_prefill,
     gated_delta_rule_prefill_kernel,
+    gated_delta_rule_prefill_sequential,
     prefill_config,
 )
 
@@ -37,11 +38,11 @@ def _gate_case(kernel, dtype_name: str, constexprs: dict, capability: int, label
     def arg_type(name: str) -> str:
         if name in constexprs:
             return "constexpr"
-        if name in ("cu_seqlens_ptr", "state_slots_ptr"):
+        if name in ("cu_seqlens_ptr", "state_slots_ptr", "chunk_offsets_ptr"):
             return "*i32"
         if name == "has_initial_state_ptr":
             return "*i1"
-        if name in ("state_pool_ptr", "g_ptr", "beta_ptr"):
+        if name in ("state_pool_ptr", "g_ptr", "beta_ptr", "gates_ptr", "scratch_ptr"):
             return "*fp32"
         if name.endswith("_ptr"):
             return f"*{dtype_name}"
@@ -90,6 +91,31 @@ def _conv_cases(capability: int, name: str) -> list[GateCase]:
     return cases
 
 
+def gate_chunked() -> list[GateCase]:
+    """Every (kernel, dtype, head dims) config of gpu_layers.delta_net_chunked's tables."""
+    cases = []
+    for capability in delta_net_chunked.CONFIGS:
+        for dtype, name in SUPPORTED_DTYPES.items():
+            precision = delta_net_chunked.dot_precision(dtype)
+            for k_dim in SUPPORTED_HEAD_DIMS:
+                for v_dim in SUPPORTED_HEAD_DIMS:
+                    configs = delta_net_chunked.chunk_configs(capability, k_dim, v_dim, dtype)
+                    if configs is None:
+                        continue
+                    (block_k, num_warps, num_stages), (block_v, state_warps, state_stages) = configs
+                    dims = f"Dk={k_dim} Dv={v_dim}"
+                    constexprs = {"K_DIM": k_dim, "V_DIM": v_dim, "DOT_PRECISION": precision}
+                    cases.append(_gate_case(delta_net_chunked.gated_delta_rule_chunk_prepare_kernel, name,
+                                            {**constexprs, "BLOCK_K": block_k}, capability,
+                                            f"gdn_chunk_prepare {name} {dims} BLOCK_K={block_k}", num_warps,
+                                            num_stages))
+                    cases.append(_gate_case(delta_net_chunked.gated_delta_rule_chunk_state_kernel, name,
+                                            {**constexprs, "BLOCK_V": block_v}, capability,
+                                            f"gdn_chunk_state {name} {dims} BLOCK_V={block_v}", state_warps,
+                                            state_stages))
+    return cases
+
+
 assert set(CONV_CONFIGS) == set(PREFILL_CONFIGS), "every capability has conv and delta-rule configs"
 
 # Qwen3-Next-80B's GDN: 16 k heads, 32 v heads, 128 x 128 state, conv over q, k, v (2 * 16 * 128 + 32 * 128).
@@ -106,8 +132,9 @@ def _inputs(num_tokens: int, device):
 
 
 def bench() -> list[tuple]:
-    """Prefill of one 8K sequence (flops: the recurrent form's, 6 Dk Dv per token and v head) and decode at batch 1-64
-    (bytes: each sequence's state read and written, plus q, k, v, out); the conv at both."""
+    """Prefill of one 8K sequence (flops: the recurrent form's, 6 Dk Dv per token and v head; baseline: the
+    token-sequential kernel) and decode at batch 1-64 (bytes: each sequence's state read and written, plus q, k, v,
+    out); the conv at both."""
     device = torch.device("cuda")
     scale = HEAD_DIM**-0.5
     cases = []
@@ -119,9 +146,14 @@ def bench() -> list[tuple]:
     initial = torch.ones(1, dtype=torch.bool, device=device)
     flops = 6 * num_tokens * NUM_V_HEADS * HEAD_DIM * HEAD_DIM
     num_bytes = 2 * (q.numel() + k.numel() + 2 * v.numel())
-    cases.append((f"delta_net.gdn_prefill T={num_tokens}",
-                  functools.partial(gated_delta_rule_prefill, q, k, v, g, beta, cu_seqlens, pool, slots, initial,
-                                    scale), num_bytes, flops))
+    args = (q, k, v, g, beta, cu_seqlens, pool, slots, initial, scale)
+    # The chunked kernels with SM120's configs, whatever this device's tables say (Hopper's have none at Dk = 128),
+    # against the token-sequential kernel.
+    prepare_cfg, state_cfg = delta_net_chunked.CONFIGS[120][(HEAD_DIM, HEAD_DIM, 2)]
+    chunked = functools.partial(delta_net_chunked.chunked_prefill, *args, torch.empty_like(v),
+                                NUM_V_HEADS // NUM_K_HEADS, 120, prepare_cfg, state_cfg)
+    cases.append((f"delta_net.gdn_prefill T={num_tokens} chunked", chunked, num_bytes, flops,
+                  functools.partial(gated_delta_rule_prefill_sequential, *args)))
     for batch in (1, 8, 32, 64):
         q, k, v, g, beta = _inputs(batch, device)
         rows = torch.arange(batch, dtype=torch.int32, device=device)
@@ -137,3 +169,33 @@ def bench() -> list[tuple]:
                   functools.partial(causal_conv1d_prefill, x, weight, None, cu_seqlens, conv_pool, slots, initial,
                                     num_tokens), 2 * x.numel() * 2, 8 * x.numel()))
     return cases
+
+
+def tune(num_tokens: int = 8192, prepare_cfgs=((16, 8, 1), (64, 8, 1), (32, 4, 1)),
+         state_cfgs=((16, 8, 2), (32, 8, 1), (32, 8, 2), (64, 8, 1), (16, 4, 1))) -> list[str]:
+    """The chunked prefill at the bench's shapes under SM120's configs and variants of one kernel's (device runs,
+    to choose the tables' entries; variants are not gate-checked): one line per config, microseconds of both
+    launches."""
+    import triton.testing
+
+    from gpu_layers.capability import capability_of
+
+    device = torch.device("cuda")
+    q, k, v, g, beta = _inputs(num_tokens, device)
+    pool = torch.zeros(1, NUM_V_HEADS, HEAD_DIM, HEAD_DIM, device=device)
+    cu_seqlens = torch.tensor([0, num_tokens], dtype=torch.int32, device=device)
+    slots = torch.zeros(1, dtype=torch.int32, device=device)
+    initial = torch.ones(1, dtype=torch.bool, device=device)
+    out = torch.empty_like(v)
+    capability = capability_of(device)
+    default = delta_net_chunked.CONFIGS[120][(HEAD_DIM, HEAD_DIM, 2)]
+    configs = [default] + [(p, default[1]) for p in prepare_cfgs] + [(default[0], s) for s in state_cfgs]
+    lines = []
+    for prepare_cfg, state_cfg in configs:
+        def run(prepare_cfg=prepare_cfg, state_cfg=state_cfg):
+            delta_net_chunked.chunked_prefill(q, k, v, g, beta, cu_seqlens, pool, slots, initial, HEAD_DIM**-0.5,
+                                              out, NUM_V_HEADS // NUM_K_HEADS, capability, prepare_cfg, state_cfg)
+        us = triton.testing.do_bench(run, warmup=25, rep=200, return_mode="median") * 1e3
+        flops = 6 * num_tokens * NUM_V_HEADS * HEAD_DIM * HEAD_DIM
+        lines.append(f"prepare {prepare_cfg} state {state_cfg}: {us:.1f} us, {flops / us / 1e6:.1f} TFLOP/s")
+    return lines

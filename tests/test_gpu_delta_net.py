@@ -2,7 +2,8 @@
 gpu_layers.delta_net_reference, and the references against transformers' Qwen3-Next functions.
 
 Outputs start as NaN (an unwritten element fails); state slots no sequence names are NaN too (a kernel that
-writes a wrong slot, or reads one it should not, fails)."""
+writes a wrong slot, or reads one it should not, fails). The chunked prefill works in chunks of 64 tokens made of
+blocks of 16: lengths sit on both sides of both boundaries, and sequences resume mid-chunk."""
 
 import pytest
 import torch
@@ -14,11 +15,14 @@ from gpu_layers import delta_net
 from gpu_layers import delta_net_reference as ref
 
 RAGGED = [1, 5, 64, 65, 130]
+BOUNDARIES = [2, 15, 16, 17, 31, 33, 47, 48, 49, 63, 127, 128, 129]  # around every block of 16 and chunk of 64
 NUM_SLOTS = 8
 
 
-def make_inputs(lens, num_k_heads=1, num_v_heads=2, head_dim=64, dtype=torch.float32, seed=0):
-    """Packed q, k [T, Hk, D], v [T, Hv, D], g, beta [T, Hv] float32 as the model makes them, and cu_seqlens."""
+def make_inputs(lens, num_k_heads=1, num_v_heads=2, head_dim=64, dtype=torch.float32, seed=0, is_slow=False):
+    """Packed q, k [T, Hk, D], v [T, Hv, D], g, beta [T, Hv] float32 as the model makes them, and cu_seqlens.
+    `is_slow`: keys close to one another (cosine about 0.9), beta near 1 and gates near 0, the hard case of the
+    chunk's triangular solve (its power series has terms like 1.9^63)."""
     gen = torch.Generator().manual_seed(seed)
     num_tokens = sum(lens)
     q, k = (torch.randn(num_tokens, num_k_heads, head_dim, generator=gen) for _ in range(2))
@@ -26,6 +30,9 @@ def make_inputs(lens, num_k_heads=1, num_v_heads=2, head_dim=64, dtype=torch.flo
     a = torch.randn(num_tokens, num_v_heads, generator=gen)
     g = -torch.rand(num_v_heads, generator=gen).mul(4).exp() * F.softplus(a + 1.0)
     beta = torch.randn(num_tokens, num_v_heads, generator=gen).sigmoid()
+    if is_slow:
+        k = torch.randn(1, num_k_heads, head_dim, generator=gen) * 2 + k * 0.6
+        g, beta = g * 0.002, beta * 0.1 + 0.9
     cu_seqlens = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
     return ([x.to(DEVICE, dtype) for x in (q, k, v)] + [x.to(DEVICE) for x in (g, beta)] +
             [cu_seqlens.to(DEVICE)])
@@ -53,18 +60,18 @@ def check(out, expected, dtype, what="output"):
         assert error < 2e-2, f"{what}: relative error {error:.2e}"
 
 
-def run_prefill(lens, slots, has_initial, dtype=torch.float32, num_k_heads=1, num_v_heads=2, head_dim=64, seed=0):
+def run_prefill(lens, slots, has_initial, dtype=torch.float32, num_k_heads=1, num_v_heads=2, head_dim=64, seed=0,
+                is_slow=False, prefill=delta_net.gated_delta_rule_prefill):
     """The kernel and the reference over the same inputs and pools; compares outputs and the named slots."""
-    q, k, v, g, beta, cu_seqlens = make_inputs(lens, num_k_heads, num_v_heads, head_dim, dtype, seed)
+    q, k, v, g, beta, cu_seqlens = make_inputs(lens, num_k_heads, num_v_heads, head_dim, dtype, seed, is_slow)
     pool = make_state_pool(num_v_heads, head_dim, slots)
     expected_pool = pool.clone()
     slots_t, initial_t = int32(slots), torch.tensor(has_initial, device=DEVICE)
     scale = head_dim**-0.5
-    out = delta_net.gated_delta_rule_prefill(q, k, v, g, beta, cu_seqlens, pool, slots_t, initial_t, scale,
-                                             out=poisoned(*v.shape, dtype=dtype))
+    out = prefill(q, k, v, g, beta, cu_seqlens, pool, slots_t, initial_t, scale, out=poisoned(*v.shape, dtype=dtype))
     expected = ref.gated_delta_rule_prefill(q, k, v, g, beta, cu_seqlens, expected_pool, slots_t, initial_t, scale)
     check(out, expected, dtype)
-    check(pool[slots], expected_pool[slots], torch.float32, "final state")
+    check(pool[slots], expected_pool[slots], dtype, "final state")  # bf16 inputs: bf16 dots read the state
     return out, pool
 
 
@@ -76,8 +83,28 @@ def test_prefill_ragged_batch(dtype):
     run_prefill(RAGGED, [3, 0, 6, 1, 5], [True, False, True, False, True], dtype)
 
 
+def test_prefill_chunk_boundaries():
+    """Every length around the blocks of 16 and chunks of 64, fresh and resumed, in one ragged batch (slots reused
+    across two halves)."""
+    half = len(BOUNDARIES) // 2
+    for lens in (BOUNDARIES[:half], BOUNDARIES[half:]):
+        run_prefill(lens, list(range(len(lens))), [i % 2 == 0 for i in range(len(lens))], num_v_heads=1, seed=len(lens))
+
+
 def test_prefill_gqa_heads_and_dims():
-    run_prefill([70, 9], [2, 4], [True, True], num_k_heads=2, num_v_heads=4, head_dim=128)
+    """Dk = Dv = 128 (the served shape) runs chunked in bf16; float32 there takes the token-sequential kernel."""
+    run_prefill([70, 9], [2, 4], [True, True], torch.bfloat16, num_k_heads=2, num_v_heads=4, head_dim=128)
+
+
+def test_prefill_long_sequence_and_slow_decay():
+    """2K tokens (32 chunks of state carried in float32) and a chunk of near-parallel keys with gates near 0."""
+    run_prefill([2048], [1], [True], num_v_heads=1, seed=11)
+    run_prefill([100, 64], [0, 7], [False, True], is_slow=True, seed=12)
+
+
+def test_sequential_baseline():
+    """The token-by-token kernel the benchmark compares the chunked one with."""
+    run_prefill([1, 70], [3, 0], [True, False], prefill=delta_net.gated_delta_rule_prefill_sequential)
 
 
 @pytest.mark.parametrize("first", [1, 10, 63, 64, 100])
