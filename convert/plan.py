@@ -1,7 +1,9 @@
 """What a conversion writes, decided before anything is written: the source is opened and checked whole
 (config, every shard's header, every tensor's name and shape against the model), then split into units of
 one output file each: the non-layer GPU weights, each layer's GPU weights, each MoE layer's routed experts.
-A unit is the granule of streaming (its tensors pass through memory one at a time) and of resuming.
+A unit is the granule of streaming (its tensors pass through memory one at a time) and of resuming. A layer whose
+experts are stored fused (gpt-oss, Qwen3.5: `hybrid.fused_experts`) has its fused tensors checked by their reader's
+expectations instead of the model's names, and read one expert's rows at a time.
 """
 
 from __future__ import annotations
@@ -106,11 +108,12 @@ def _check_fused(ckpt: Checkpoint, config: ModelConfig, fused: dict[int, FusedEx
     """Each fused layer's stored tensors as its reader expects them, and nothing else under its prefix."""
     for f in fused.values():
         f.check(ckpt, config.moe.num_experts, config.hidden_size, config.moe.intermediate_size)
-        names = set(f.names())
+        names = f.names()
         unexpected = sorted(n for n in ckpt.parts if n.startswith(f"{f.prefix}.") and n not in names)
         if unexpected:
+            expected = ", ".join(n.rpartition(".")[2] for n in names)
             raise CheckpointError(f"{ckpt.file_of(unexpected[0])}: unexpected tensor '{unexpected[0]}' beside the "
-                                  f"fused experts of '{f.prefix}' ({', '.join(n.rpartition('.')[2] for n in names)})")
+                                  f"fused experts of '{f.prefix}' ({expected})")
 
 
 def _check_shapes(ckpt: Checkpoint, model: MoECausalLM, skipped: tuple[str, ...] = ()) -> None:

@@ -56,11 +56,6 @@ def expert_format(model, ckpt: Checkpoint, expert_dtype: str) -> ExpertFormat:
     return resolve(source, expert_dtype, flag="--expert-dtype")
 
 
-def layer_spec(model, fmt: ExpertFormat):
-    """The expert files' spec of `model`'s layers in format `fmt`, with the model's activation and biases."""
-    return fmt.model_spec(model)
-
-
 def load_direct_cpu_experts(model, ckpt: Checkpoint, expert_dtype: str, num_partitions: int,
                             num_threads: int | None = None, progress=None) -> ExpertFormat:
     """Gives every `CpuExperts` of `model` its layer's experts read from `ckpt` (module docstring); returns the
@@ -70,7 +65,7 @@ def load_direct_cpu_experts(model, ckpt: Checkpoint, expert_dtype: str, num_part
     note = fmt.note("expert_dtype='auto' (--expert-dtype auto)")
     if note is not None:
         log.info("%s", note)
-    spec = layer_spec(model, fmt)
+    spec = fmt.model_spec(model)  # with the model's own activation and biases (gpt-oss)
     modules = sorted(cpu_layers(model).values(), key=lambda m: m.layer_idx)
     num_threads = num_threads or len(topology.allowed_cpus())
     for module in progress(modules) if progress is not None else modules:

@@ -31,7 +31,7 @@ from cpu_experts import formats
 from cpu_experts.expert_file import SWIGLU_OAI, ExpertLayerSpec, quantize_matrix
 from hybrid import LLM
 from hybrid.checkpoint import Checkpoint
-from hybrid.direct_experts import expert_format, layer_spec, read_layer
+from hybrid.direct_experts import expert_format, read_layer
 from hybrid.models import load_model_config
 from hybrid.safetensors_io import SafetensorsFile
 
@@ -104,7 +104,7 @@ def test_expert_files_are_the_direct_load_and_the_source(sources, converted, qwe
         model = cls(config)
     ckpt = Checkpoint.open(path, prefixes=model.checkpoint_prefixes)
     fmt = expert_format(model, ckpt, dtype)
-    spec = layer_spec(model, fmt)
+    spec = fmt.model_spec(model)
     is_gpt_oss = name.startswith("gpt_oss")
     assert fmt.is_passthrough == (name == "gpt_oss_mxfp4" and dtype == "auto")
     assert manifest(dst)["experts"]["is_copied_from_source"] == fmt.is_passthrough
