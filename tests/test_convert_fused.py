@@ -68,14 +68,13 @@ def converted(sources, tmp_path_factory):
     return get
 
 
-def _source_values(name: str, path, layer: int, plain_qwen, num_experts: int) -> dict[str, torch.Tensor]:
-    """The test's own reading of one layer: gate, up [E, I, H], down [E, H, I] float32, and gpt-oss's biases."""
-    if name == "qwen3_5":  # the per-expert checkpoint the fused one was made from
-        tensors = load_file(str(plain_qwen / "model.safetensors"))
+def _source_values(name: str, tensors: dict, layer: int, num_experts: int) -> dict[str, torch.Tensor]:
+    """The test's own reading of one layer of `tensors` (for Qwen3.5: the per-expert checkpoint the fused one was
+    made from): gate, up [E, I, H], down [E, H, I] float32, and gpt-oss's biases."""
+    if name == "qwen3_5":
         prefix = f"model.language_model.layers.{layer}.mlp.experts"
         return {role: torch.stack([tensors[f"{prefix}.{e}.{role}_proj.weight"].float() for e in range(num_experts)])
                 for role in ("gate", "up", "down")}
-    tensors = load_file(str(path / "model.safetensors"))
     prefix = f"model.layers.{layer}.mlp.experts"
     if name == "gpt_oss_mxfp4":  # transformers' own dequantization: [E, H, 2I] and [E, I, H]
         gate_up = convert_moe_packed_tensors(tensors[f"{prefix}.gate_up_proj_blocks"],
@@ -109,6 +108,8 @@ def test_expert_files_are_the_direct_load_and_the_source(sources, converted, qwe
     assert fmt.is_passthrough == (name == "gpt_oss_mxfp4" and dtype == "auto")
     assert manifest(dst)["experts"]["is_copied_from_source"] == fmt.is_passthrough
     assert spec.activation == SWIGLU_OAI and spec.has_bias if is_gpt_oss else spec.is_plain
+    source = load_file(str(path / "model.safetensors"))
+    values_source = load_file(str(qwen3_5[0] / "model.safetensors")) if name == "qwen3_5" else source
     plain = ExpertLayerSpec(spec.num_experts, spec.hidden_size, spec.intermediate_size, spec.dtype, spec.group_size,
                             spec.scale_dtype)
     for layer in config.moe_layer_indices:
@@ -119,11 +120,11 @@ def test_expert_files_are_the_direct_load_and_the_source(sources, converted, qwe
         assert stored.keys() == direct.keys()
         for n, tensor in stored.items():
             assert torch.equal(tensor.view(torch.uint8), direct[n].view(torch.uint8)), (layer, n)
-        values = _source_values(name, path, layer, qwen3_5[0], spec.num_experts)
+        values = _source_values(name, values_source, layer, spec.num_experts)
         for e in range(spec.num_experts):
             for role in ("gate", "up", "down"):
                 if fmt.is_passthrough:  # the published bits, de-interleaved by the test
-                    want = _published_bits(load_file(str(path / "model.safetensors")), layer, e, role, spec)
+                    want = _published_bits(source, layer, e, role, spec)
                 else:
                     want = quantize_matrix(values[role][e], plain)
                 for part, tensor in want.items():
