@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from hybrid.cache_groups import CacheGroup
 
@@ -60,6 +60,7 @@ class PrefixCachingBlockManager:
         self._refs = [0] * num_blocks
         self._key_of: dict[int, bytes] = {}  # page -> key of its full contents
         self._page_of: dict[bytes, int] = {}  # key -> page
+        self.on_evict: Callable[[bytes], None] | None = None  # told each key whose page is handed out again
 
     @property
     def num_free(self) -> int:
@@ -106,6 +107,8 @@ class PrefixCachingBlockManager:
             old = self._key_of.pop(page, None)  # its cached contents are about to be overwritten
             if old is not None:
                 del self._page_of[old]
+                if self.on_evict is not None:
+                    self.on_evict(old)
             self._refs[page] = 1
             pages.append(page)
         return pages
@@ -156,6 +159,58 @@ class StateSlotPool:
         self._free[slot] = None
 
 
+class StateSnapshotPool:
+    """Recurrent-state snapshots for prefix caching of models with recurrent layers: snapshot `i` is row
+    `first_row + i` of the layers' state pools (after the running sequences' slots), holding the recurrent and conv
+    states exactly as they were after the full pages up to the one whose prefix-cache key it is stored under; a hit
+    on that key is exactly that position. Least recently used snapshots make room for new ones (`take`); a snapshot
+    whose page leaves the prefix cache goes with it (`drop`). Pure bookkeeping: the model runner copies the rows."""
+
+    def __init__(self, num_snapshots: int, first_row: int):
+        if num_snapshots < 0:
+            raise ValueError(f"num_snapshots must be >= 0, got {num_snapshots}")
+        self.num_snapshots, self.first_row = num_snapshots, first_row
+        self._free = list(range(first_row + num_snapshots - 1, first_row - 1, -1))
+        self._row_of: dict[bytes, int] = {}  # key -> row, least recently used first
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._row_of)
+
+    def latest(self, keys: Sequence[bytes], num_pages: int) -> int:
+        """The most pages among the first `num_pages` of `keys` after which a snapshot is kept (0: none)."""
+        while num_pages > 0 and keys[num_pages - 1] not in self._row_of:
+            num_pages -= 1
+        return num_pages
+
+    def use(self, key: bytes) -> int:
+        """The row of a kept snapshot, marked most recently used (a restore reads it before anything is taken)."""
+        row = self._row_of.pop(key)
+        self._row_of[key] = row
+        return row
+
+    def take(self, key: bytes, replacing: bytes | None = None) -> int | None:
+        """A row to copy the state at `key` into, now keyed by it; None where `key` is kept already or there are no
+        snapshots. `replacing`: the key of the caller's previous snapshot, whose row is reused if it is still kept
+        (a running sequence keeps one rolling snapshot); else a free row, else the least recently used one's."""
+        if self.num_snapshots == 0 or key in self._row_of:
+            return None
+        if replacing is not None and replacing in self._row_of:
+            row = self._row_of.pop(replacing)
+        elif self._free:
+            row = self._free.pop()
+        else:
+            row = self._row_of.pop(next(iter(self._row_of)))
+        self._row_of[key] = row
+        return row
+
+    def drop(self, key: bytes) -> None:
+        """The page of `key` left the prefix cache: its snapshot goes too (a hit needs the page as well)."""
+        row = self._row_of.pop(key, None)
+        if row is not None:
+            self._free.append(row)
+
+
 class CacheGroupBlocks:
     """One `PrefixCachingBlockManager` per cache group (`hybrid.cache_groups`), worked on together: a sequence
     holds one block table per group (`new_tables`), and reserving, prefix matching, publishing and freeing cover
@@ -165,17 +220,26 @@ class CacheGroupBlocks:
     manager semantics). With one full group this costs what one manager does."""
 
     def __init__(self, groups: Sequence[CacheGroup], block_size: int, enable_prefix_caching: bool = True,
-                 num_state_slots: int = 0):
+                 num_state_slots: int = 0, num_state_snapshots: int = 0):
         """`num_state_slots` > 0: the model has recurrent layers, and each running sequence also holds one of
-        these slots (`state_slots`)."""
+        these slots (`state_slots`); its prefix hits also need a state snapshot (`snapshots`, rows after the slots),
+        so with `num_state_snapshots` 0 its prefix caching is off."""
         if not groups:
             raise ValueError("a KV cache needs at least one cache group")
         self.state_slots = StateSlotPool(num_state_slots) if num_state_slots else None
+        if num_state_slots and not num_state_snapshots:
+            enable_prefix_caching = False
+        self.snapshots = StateSnapshotPool(num_state_snapshots, num_state_slots) \
+            if num_state_slots and enable_prefix_caching else None
         self.groups = tuple(groups)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.allocators = tuple(PrefixCachingBlockManager(g.num_blocks, block_size, enable_prefix_caching)
                                 for g in self.groups)
+        if self.snapshots is not None:
+            for group, allocator in zip(self.groups, self.allocators, strict=True):
+                if not group.is_windowed:  # a hit needs every full group's pages up to the snapshot's
+                    allocator.on_evict = self.snapshots.drop
         self.has_windows = any(g.is_windowed for g in self.groups)
 
     @property
@@ -207,7 +271,9 @@ class CacheGroupBlocks:
 
     def match_prefix(self, keys: Sequence[bytes]) -> tuple[int, list[list[int]]]:
         """(P, tables): the longest run of the leading pages `keys` that every group holds (its window's share in a
-        windowed group), referenced for the caller; tables hold those pages, `NULL_PAGE` before a window."""
+        windowed group) and, for a model with recurrent layers, after which a state snapshot is kept (the latest
+        one at or before the pages' hit); the pages are referenced for the caller; tables hold them, `NULL_PAGE`
+        before a window."""
         tables = self.new_tables()
         if not self.enable_prefix_caching or not keys:
             return 0, tables
@@ -218,9 +284,15 @@ class CacheGroupBlocks:
                 while run < num_pages and allocator.cached_page(keys[run]) is not None:
                     run += 1
                 num_pages = run
-        while num_pages > 0 and not all(self._holds_window(g, keys, num_pages) for g in range(len(self.groups))
-                                        if self.groups[g].is_windowed):
-            num_pages -= 1
+        while True:
+            while num_pages > 0 and not all(self._holds_window(g, keys, num_pages)
+                                            for g in range(len(self.groups)) if self.groups[g].is_windowed):
+                num_pages -= 1
+            # recurrent layers resume only from a kept state: the latest snapshot at or before the pages' hit
+            usable = num_pages if self.snapshots is None else self.snapshots.latest(keys, num_pages)
+            if usable == num_pages:
+                break
+            num_pages = usable
         for group, allocator, table in zip(self.groups, self.allocators, tables, strict=True):
             first = group.first_needed_page(num_pages * self.block_size, self.block_size)
             pages = [allocator.cached_page(key) for key in keys[first:num_pages]]

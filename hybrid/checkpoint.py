@@ -169,11 +169,12 @@ class Checkpoint:
             scale_name = e8m0_name
         if scale_name not in self.files:
             raise CheckpointError(f"{self.file_of(name)}: FP8 tensor '{name}' has no '{scale_name}'")
-        rows, cols = info.shape
-        expected = (-(-rows // self.fp8_block[0]), -(-cols // self.fp8_block[1]))
+        *experts, rows, cols = info.shape  # a fused 3-D experts tensor [E, N, K] has blocks per expert
+        expected = (*experts, -(-rows // self.fp8_block[0]), -(-cols // self.fp8_block[1]))
         if tuple(self.info(scale_name).shape) != expected:
             raise CheckpointError(f"{self.files[scale_name].path}: '{scale_name}' has shape "
-                                  f"{tuple(self.info(scale_name).shape)}, expected {expected} for weight {rows}x{cols}")
+                                  f"{tuple(self.info(scale_name).shape)}, expected {expected} for weight "
+                                  f"{'x'.join(map(str, info.shape))}")
 
     def logical_shape(self, name: str) -> tuple[int, ...] | None:
         """The shape `read(name)` returns, from the headers; None when only reading tells (packed weights)."""
@@ -249,11 +250,13 @@ def _rename(files: dict[str, SafetensorsFile], prefixes: tuple[tuple[str, str], 
 
 
 def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """weight [out, in] (float8) * scale_inv [ceil(out / bo), ceil(in / bi)] broadcast over blocks -> float32."""
-    rows, cols = weight.shape
+    """weight [..., out, in] (float8) * scale_inv [..., ceil(out / bo), ceil(in / bi)] broadcast over blocks ->
+    float32 (leading dims: fused 3-D experts [E, out, in], blocks per expert)."""
+    *lead, rows, cols = weight.shape
     block_rows, block_cols = block
-    expected = (-(-rows // block_rows), -(-cols // block_cols))
+    expected = (*lead, -(-rows // block_rows), -(-cols // block_cols))
     if tuple(scale_inv.shape) != expected:
-        raise ValueError(f"scale shape {tuple(scale_inv.shape)} does not match {expected} for weight {rows}x{cols}")
-    scale = scale_inv.float().repeat_interleave(block_rows, 0)[:rows].repeat_interleave(block_cols, 1)[:, :cols]
-    return weight.float() * scale
+        raise ValueError(f"scale shape {tuple(scale_inv.shape)} does not match {expected} for weight "
+                         f"{'x'.join(map(str, weight.shape))}")
+    scale = scale_inv.float().repeat_interleave(block_rows, -2)[..., :rows, :]
+    return weight.float() * scale.repeat_interleave(block_cols, -1)[..., :cols]

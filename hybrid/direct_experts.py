@@ -9,10 +9,10 @@ compressed-tensors INT4: `hybrid.native_experts`) or quantized from their values
 A stored expert that holds NaN (NaN codes or scales) is refused, naming the tensor and its file.
 
 A model whose experts are stored fused per layer (gpt-oss: `fused_experts_prefix(layer)`, with the activation and
-biases its spec carries, `expert_activation`, `has_expert_bias`; Qwen3.5's 3-D float experts:
+biases its spec carries, `expert_activation`, `has_expert_bias`; Qwen3.5's 3-D experts, float or block FP8:
 `MoEConfig.has_fused_storage`) has its layers read expert by expert by `hybrid.fused_experts`, the converter's
-readers; their stored names (`FusedExperts.names`) are the ones this loader takes (gpt-oss's are also skipped by the
-dense load: the model's `is_ignored_tensor`).
+readers (published MXFP4 and block FP8 kept as stored by default); their names (`FusedExperts.names`) are the ones
+this loader takes (gpt-oss's are also skipped by the dense load: the model's `is_ignored_tensor`).
 """
 
 from __future__ import annotations

@@ -44,8 +44,9 @@ class StepOutput:
 
 @dataclass(frozen=True)
 class EngineStats:
-    """A snapshot for metrics: requests by state, KV-cache pages (over all cache groups) and recurrent-state slots
-    (0 and 0 for a model without recurrent layers)."""
+    """A snapshot for metrics: requests by state, KV-cache pages (over all cache groups), recurrent-state slots and
+    the prefix cache's state snapshots (0 for a model without recurrent layers), and prefix-cache hits so far
+    (tokens taken from the cache at admission; admissions whose recurrent states a snapshot restored)."""
 
     num_running: int
     num_waiting: int
@@ -53,6 +54,10 @@ class EngineStats:
     num_free_blocks: int
     num_state_slots: int = 0
     num_free_state_slots: int = 0
+    num_state_snapshots: int = 0
+    num_kept_state_snapshots: int = 0
+    num_cached_tokens: int = 0
+    num_snapshot_hits: int = 0
 
 
 class Engine:
@@ -130,9 +135,11 @@ class Engine:
             self._guided.remove(request_id)
 
     def stats(self) -> EngineStats:
-        slots = self.blocks.state_slots
-        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.blocks.num_blocks,
-                           self.blocks.num_free, slots.num_slots if slots else 0, slots.num_free if slots else 0)
+        slots, snapshots, scheduler = self.blocks.state_slots, self.blocks.snapshots, self.scheduler
+        return EngineStats(len(scheduler.running), len(scheduler.waiting), self.blocks.num_blocks,
+                           self.blocks.num_free, slots.num_slots if slots else 0, slots.num_free if slots else 0,
+                           snapshots.num_snapshots if snapshots else 0, snapshots.num_cached if snapshots else 0,
+                           scheduler.num_cached_tokens, scheduler.num_snapshot_hits)
 
     def close(self) -> None:
         if self.runner is not self.llm.runner:
@@ -145,10 +152,12 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
         chunks = self.scheduler.schedule()
+        self.runner.copy_states(self.scheduler.take_state_copies())  # state snapshots restored on admission
         if not chunks:
             return []
         logits = self.runner.execute_chunks(chunks)
         outputs = self._update(chunks, logits)
+        self.runner.copy_states(self.scheduler.take_state_copies())  # snapshots of the states this step ended at
         self.runner.finish_step()  # the update read the logits: the step's GPU work is over
         return outputs
 

@@ -63,6 +63,12 @@ class EngineConfig:
         "serve CUDA-graph decode steps' CPU experts from a pool of pinned spinning threads (int8 and int4 experts)"))
     enable_prefix_caching: bool = field(default=True, metadata=_help(
         "reuse the KV pages of earlier requests' identical prefixes (keyed by BLAKE2b digests of the tokens)"))
+    # models with recurrent layers (Gated DeltaNet): a prefix hit resumes their states from a snapshot taken at a
+    # page boundary (`hybrid.block_manager.StateSnapshotPool`), each the size of one sequence's recurrent states and
+    # counted with the KV cache's memory
+    state_snapshots: int | None = field(default=None, metadata=_help(
+        "recurrent models' prefix caching: recurrent-state snapshots kept at page boundaries (least recently used "
+        "evicted); default max_num_seqs; 0 turns prefix caching off for them"))
     max_graph_batch: int = field(default=32, metadata=_help(
         "largest decode batch replayed as a graph (buckets 1, 2, 4, 8, ... up to it); larger ones run eagerly"))
     # converted models: routed experts per MoE layer kept on the engine's device (the most routed ones per
@@ -89,6 +95,9 @@ class EngineConfig:
         for name in ("block_size", "max_graph_batch", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.state_snapshots is not None and self.state_snapshots < 0:
+            raise ConfigError(f"state_snapshots must be >= 0 (0: no prefix caching for recurrent models), got "
+                              f"{self.state_snapshots}")
         for name in ("numa_partitions", "max_model_len", "kv_cache_tokens", "max_num_batched_tokens"):
             value = getattr(self, name)
             if value is not None and value < 1:

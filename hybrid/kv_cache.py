@@ -63,19 +63,22 @@ def state_slot_bytes(state_layers, dtype: torch.dtype) -> int:
     return total
 
 
-def allocate_state_cache(state_layers, num_slots: int, dtype: torch.dtype,
+def allocate_state_cache(state_layers, num_slots: int, num_snapshots: int, dtype: torch.dtype,
                          device: torch.device | str) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Allocates and binds each recurrent layer's slot pools (`state_cache`: float32 recurrent states
-    [num_slots, ...] and conv states [num_slots, conv_dim, K - 1] in `dtype`); returns them."""
+    """Allocates and binds each recurrent layer's pools (`state_cache`: float32 recurrent states [rows, ...] and
+    conv states [rows, conv_dim, K - 1] in `dtype`), whose rows are the running sequences' `num_slots` slots, then
+    prefix caching's `num_snapshots` state snapshots (`hybrid.block_manager.StateSnapshotPool`); returns them."""
     layers = list(state_layers)
     caches = []
+    num_rows = num_slots + num_snapshots
     for layer in layers:
         state_shape, conv_shape = layer.state_shapes()
-        pools = (torch.zeros(num_slots, *state_shape, dtype=torch.float32, device=device),
-                 torch.zeros(num_slots, *conv_shape, dtype=dtype, device=device))
+        pools = (torch.zeros(num_rows, *state_shape, dtype=torch.float32, device=device),
+                 torch.zeros(num_rows, *conv_shape, dtype=dtype, device=device))
         layer.state_cache = pools
         caches.append(pools)
-    log.info("Recurrent state cache: %d slots over %d layers, %.2f GiB on %s (prefix caching is off for models "
-             "with recurrent layers)", num_slots, len(layers),
-             state_slot_bytes(layers, dtype) * num_slots / 2**30, device)
+    slot_bytes = state_slot_bytes(layers, dtype)
+    log.info("Recurrent state cache: %d slots over %d layers (%.2f GiB) and %d prefix-cache snapshots (%.2f GiB) "
+             "on %s", num_slots, len(layers), slot_bytes * num_slots / 2**30, num_snapshots,
+             slot_bytes * num_snapshots / 2**30, device)
     return caches

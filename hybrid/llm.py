@@ -117,16 +117,18 @@ class LLM:
         # the one owner of this model's KV pages: every engine over it and prefill_logits take pages from it
         groups = self._cache_groups(self.model, num_blocks)
         is_recurrent = self.config.has_recurrent_layers
-        if is_recurrent and cfg.enable_prefix_caching:
-            # a hit would need the recurrent states as they were at the hit's last page, which are not kept
-            log.info("%s has recurrent (Gated DeltaNet) layers: prefix caching is off", self.config.architecture)
-        self.blocks = CacheGroupBlocks(groups, block_size, cfg.enable_prefix_caching and not is_recurrent,
-                                       self.num_state_slots)
+        if is_recurrent and cfg.enable_prefix_caching and not self.num_state_snapshots:
+            # a hit needs the recurrent states as they were at the hit's last page: none are kept
+            log.info("%s has recurrent (Gated DeltaNet) layers and state_snapshots is 0: prefix caching is off",
+                     self.config.architecture)
+        self.blocks = CacheGroupBlocks(groups, block_size, cfg.enable_prefix_caching, self.num_state_slots,
+                                       self.num_state_snapshots)
         self.engine = None  # what generate() runs through: the newest Engine(self), else one generate() builds
         self._owns_engine = False
         self.kv_caches = allocate_kv_cache(self.model.attention_layers(), groups, block_size, cfg.torch_dtype,
                                            cfg.device)
-        self.state_caches = allocate_state_cache(self.model.state_layers(), self.num_state_slots, cfg.torch_dtype,
+        self.state_caches = allocate_state_cache(self.model.state_layers(), self.num_state_slots,
+                                                 self.num_state_snapshots, cfg.torch_dtype,
                                                  cfg.device) if is_recurrent else []
         self.num_forward_tokens = 0
         self.runner = ModelRunner(self)  # eager: prefill_logits, and the engines that capture no graphs
@@ -135,6 +137,15 @@ class LLM:
     def num_state_slots(self) -> int:
         """Recurrent-state slots of a model with recurrent layers (one per request the engine runs), else 0."""
         return self.engine_config.max_num_seqs if self.config.has_recurrent_layers else 0
+
+    @property
+    def num_state_snapshots(self) -> int:
+        """Prefix caching's recurrent-state snapshots (`state_snapshots`, default one per state slot; rows of the
+        state pools after the slots), 0 without recurrent layers or prefix caching."""
+        cfg = self.engine_config
+        if not self.config.has_recurrent_layers or not cfg.enable_prefix_caching:
+            return 0
+        return cfg.max_num_seqs if cfg.state_snapshots is None else cfg.state_snapshots
 
     def _cache_groups(self, model, num_full_blocks: int):
         cfg = self.engine_config
@@ -174,7 +185,8 @@ class LLM:
                            Backends(make_experts=partial(cpu_experts_factory, handoff=CpuHandoff())))
         dense_bytes = sum(t.numel() * t.element_size() for t in itertools.chain(meta.parameters(), meta.buffers()))
         kv_bytes = kv_cache_bytes(self._cache_groups(meta, num_blocks), cfg.block_size, cfg.torch_dtype)
-        kv_bytes += state_slot_bytes(meta.state_layers(), cfg.torch_dtype) * self.num_state_slots
+        kv_bytes += state_slot_bytes(meta.state_layers(), cfg.torch_dtype) * (self.num_state_slots
+                                                                              + self.num_state_snapshots)
         moe = self.config.moe
         streaming = reserve_bytes(moe.num_experts, self.config.hidden_size, moe.intermediate_size) \
             if self.gpu_prefill_tokens else 0

@@ -94,6 +94,25 @@ class ModelRunner:
             return hidden.new_empty(0)
         return self.model.compute_logits(hidden[torch.tensor(logit_rows, device=hidden.device)])
 
+    def copy_states(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Copies rows of every recurrent layer's state pools (recurrent and conv), `(from row, to row)` pairs with
+        the effect of copying them in order: prefix caching's state snapshots taken and restored
+        (`hybrid.scheduler`). Eager copies between steps, never inside a captured graph; on the device's stream,
+        so they land after the step that wrote the states and before the next one reads them."""
+        batches: list[list[tuple[int, int]]] = [[]]
+        targets: set[int] = set()
+        for source, target in copies:
+            if source in targets or target in targets:  # depends on an earlier copy of the list: after it
+                batches.append([])
+                targets.clear()
+            batches[-1].append((source, target))
+            targets.add(target)
+        for batch in filter(None, batches):
+            source_rows, target_rows = (torch.tensor(rows, device=self.device) for rows in zip(*batch, strict=True))
+            for pools in self.llm.state_caches:
+                for pool in pools:
+                    pool.index_copy_(0, target_rows, pool.index_select(0, source_rows))
+
     def finish_step(self) -> None:
         """After the host has read the step's logits: a graph step's CPU side is checked."""
         if self.graphs is not None:

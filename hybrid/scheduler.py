@@ -10,8 +10,11 @@ When a running request needs a page and none is free, the newest running request
 and it waits again at the head of the queue, to be recomputed (its tokens so far are kept); a windowed group short
 of pages only shrinks a prefill chunk. A model with recurrent layers also gives each running request a state slot
 (`CacheGroupBlocks.state_slots`), taken on admission and given back on finish, preemption or cancellation (a
-preempted request recomputes its states from its first token); with no slot free, admission waits, as it does for
-pages. Nothing here touches torch.
+preempted request recomputes its states from its first token, or from its prefix hit); with no slot free,
+admission waits, as it does for pages. Such a model's prefix hits resume from state snapshots
+(`CacheGroupBlocks.snapshots`), taken where a step ends on a page boundary (`_snapshot`; a prefill chunk ends at its
+prompt's last page boundary for it, `_chunk`) and restored on admission: the scheduler queues the row copies
+(`take_state_copies`) and the model runner makes them between steps. Nothing here touches torch.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ class Request:
     num_published: int = 0  # leading pages of the block tables published to the prefix cache
     finish_reason: str | None = None  # "stop", "length" or "cancelled"
     state_slot: int = -1  # its recurrent-state slot while it runs (models with recurrent layers), else -1
+    snapshot_key: bytes | None = None  # the page key of its rolling state snapshot (`Scheduler._snapshot`)
 
     @property
     def token_ids(self) -> list[int]:
@@ -71,6 +75,11 @@ class Scheduler:
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # (from row, to row) copies of the recurrent-state pools the runner makes between steps: snapshot restores
+        # queued at admission, snapshots queued as a step's chunks end (`take_state_copies`)
+        self.state_copies: list[tuple[int, int]] = []
+        self.num_cached_tokens = 0  # tokens admitted requests took from the prefix cache, over the run
+        self.num_snapshot_hits = 0  # admissions that resumed their recurrent states from a snapshot
 
     def add(self, request: Request) -> None:
         problem = self.blocks.too_large(len(request.prompt_ids) + request.max_tokens)
@@ -91,7 +100,7 @@ class Scheduler:
                 break
             if request not in self.running:  # preempted by an older request in this loop
                 continue
-            num_new = self._reserve(request, min(request.num_tokens - request.num_computed, budget), preempt=True)
+            num_new = self._reserve(request, self._chunk(request, budget), preempt=True)
             if not num_new:
                 continue
             chunks.append(ScheduledChunk(request, num_new))
@@ -104,17 +113,33 @@ class Scheduler:
             num_pages, request.block_tables = self._match_prefix(request)
             request.num_computed = num_pages * self.blocks.block_size
             request.num_cached, request.num_published = request.num_computed, num_pages
-            num_new = self._reserve(request, min(request.num_tokens - request.num_computed, budget), preempt=False)
+            num_new = self._reserve(request, self._chunk(request, budget), preempt=False)
             if not num_new:
                 self._release(request)
                 break  # first come, first served: nothing overtakes the head of the queue
             self.waiting.popleft()
             if slots is not None:
                 request.state_slot = slots.allocate()
+                if num_pages:  # resume the recurrent states from the snapshot after the hit's last page
+                    row = self.blocks.snapshots.use(request.page_keys[num_pages - 1])
+                    self.state_copies.append((row, request.state_slot))
+                    self.num_snapshot_hits += 1
+            self.num_cached_tokens += request.num_cached
             self.running.append(request)
             chunks.append(ScheduledChunk(request, num_new))
             budget -= num_new
         return chunks
+
+    def _chunk(self, request: Request, budget: int) -> int:
+        """The request's next chunk within the budget. With state snapshots, a chunk that would run past the last
+        page boundary of the request's known tokens ends there instead: states exist only at step ends, and that
+        boundary's snapshot is the one a resent prompt resumes from (the tail of less than a page runs next step)."""
+        num_new = min(request.num_tokens - request.num_computed, budget)
+        if self.blocks.snapshots is not None:
+            boundary = request.num_tokens // self.blocks.block_size * self.blocks.block_size
+            if request.num_computed < boundary < request.num_computed + num_new:
+                num_new = boundary - request.num_computed
+        return num_new
 
     def _match_prefix(self, request: Request) -> tuple[int, list[list[int]]]:
         """Cached pages of the request's leading full pages, up to its last token but one: the last token is
@@ -135,6 +160,27 @@ class Scheduler:
         self.blocks.extend_keys(request.page_keys, request.token_ids, request.num_computed)
         self.blocks.cache_pages(request.block_tables, request.num_published, num_full, request.page_keys)
         request.num_published = num_full
+        if self.blocks.snapshots is not None and request.num_computed == num_full * self.blocks.block_size:
+            self._snapshot(request, num_full)
+
+    def _snapshot(self, request: Request, num_pages: int) -> None:
+        """The step ended exactly after the request's first `num_pages` pages: its state slot holds the states of
+        that position, copied to a snapshot keyed by that page (a hit there resumes from them). The snapshot at the
+        last boundary of its prompt stays; the others roll, each replacing the request's previous one, so a request
+        keeps at most two and, when it ends, the latest boundary it reached (a resent conversation's hit)."""
+        is_prompt_end = num_pages == len(request.prompt_ids) // self.blocks.block_size
+        key = request.page_keys[num_pages - 1]
+        row = self.blocks.snapshots.take(key, None if is_prompt_end else request.snapshot_key)
+        if row is None:
+            return
+        if not is_prompt_end:
+            request.snapshot_key = key
+        self.state_copies.append((request.state_slot, row))
+
+    def take_state_copies(self) -> list[tuple[int, int]]:
+        """The queued (from row, to row) state copies, for the runner to make now (between steps, in order)."""
+        copies, self.state_copies = self.state_copies, []
+        return copies
 
     def _reserve(self, request: Request, num_new: int, preempt: bool) -> int:
         """Pages for the request's next num_new tokens (fewer where a windowed group is short: see

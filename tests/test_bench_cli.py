@@ -25,7 +25,9 @@ from hybrid.synthetic import SHAPES, shape_config, write_synthetic_checkpoint
 RELEASED = {"qwen3-30b-a3b": (48, 30.5), "qwen3-235b-a22b": (94, 235.1), "deepseek-v3": (61, 671.0),
             "kimi-k2.5": (61, 1040.0), "minimax-m2": (62, 230.0), "glm-4.7-flash": (47, 30.0),
             "mimo-v2-flash": (48, 309.0), "gpt-oss-120b": (36, 116.8), "gpt-oss-20b": (24, 20.9),
-            "qwen3-next-80b-a3b": (48, 80.0), "qwen3.6-35b-a3b": (40, 35.0), "qwen3.5-397b-a17b": (60, 397.0)}
+            "qwen3-next-80b-a3b": (48, 80.0), "qwen3.6-35b-a3b": (40, 35.0), "qwen3.5-397b-a17b": (60, 397.0),
+            # V3.2: V3's 671B main model plus the indexers (0.9B; the 685B of its card counts the MTP layer)
+            "deepseek-v3.2": (61, 671.0), "glm-5": (78, 744.0)}
 
 
 def test_usage_lists_the_benchmarks(capsys):

@@ -223,6 +223,9 @@ def test_engine_flags_generated_from_engine_config():
         parse("--defer-experts", "-1")
     with pytest.raises(ConfigError, match="kv_cache_tokens must be >= 1"):
         parse("--kv-cache-tokens", "0")
+    with pytest.raises(ConfigError, match="state_snapshots must be >= 0"):
+        parse("--state-snapshots", "-1")
+    assert parse().state_snapshots is None and parse("--state-snapshots", "0").state_snapshots == 0
     assert parse().gpu_prefill_tokens == "auto" and parse("--gpu-prefill-tokens", "0").gpu_prefill_tokens == 0
     assert parse("--gpu-prefill-tokens", "16", "--no-cuda-graph").gpu_prefill_tokens == 16
     with pytest.raises(ConfigError, match="gpu_prefill_tokens 16 must be above max_graph_batch 32"):

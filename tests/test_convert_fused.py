@@ -1,14 +1,17 @@
 """`hybrid-convert` on checkpoints whose routed experts are stored fused per layer (`hybrid.fused_experts`): gpt-oss
 as transformers saves it (`gate_up_proj` [E, H, 2I] with gate and up interleaved, `down_proj` [E, I, H], biases),
 gpt-oss's published MXFP4 (`*_blocks` / `*_scales`, `quant_method: mxfp4`), and Qwen3.5's fused 3-D experts
-(`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]).
+(`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]), float or block FP8 as transformers holds FP8 experts (`*_scale_inv`
+[E, ceil(N / 24), ceil(K / 24)]: 24-row blocks, so gate and up share the block across row I = 32, and K = 32 ends in
+a partial one).
 
 Checked, for every `--expert-dtype`: the expert files hold exactly what the direct-serving loader puts in memory
 (`hybrid.direct_experts.read_layer`, bit for bit) and what an independent reading of the source gives (the test's
-own de-interleave, transformers' MXFP4 dequantization, Qwen3.5's per-expert tensors, quantized by
-`quantize_matrix`; MXFP4 under `auto`: the published bits); gpt-oss's biases and activation are in the files. Served,
-the converted directory's logits equal the directly served checkpoint's, and transformers' within the format's
-contract (int8 with float activations: its fake-quantized model; MXFP4: bf16 matmul inputs).
+own de-interleave, transformers' MXFP4 dequantization, Qwen3.5's per-expert tensors, the test's FP8 dequantization,
+quantized by `quantize_matrix`; MXFP4 and FP8 under `auto`: the stored bits, FP8's block scales spread per row);
+gpt-oss's biases and activation are in the files. Served, the converted directory's logits equal the directly served
+checkpoint's, and transformers' within the format's contract (int8 with float activations: its fake-quantized
+model; MXFP4: bf16 matmul inputs).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import json
 
 import pytest
 import torch
-from checkpoints import hf_logits, prompt
+from checkpoints import fp8_dequantize, fp8_quantize, hf_logits, prompt
 from convert_support import fails, keep_torch_threads, manifest  # noqa: F401 (fixtures)
 from safetensors.torch import load_file, save_file
 from test_gpt_oss import _bf16_matmul_inputs, _requantized, _write_mxfp4, make_gpt_oss
@@ -38,6 +41,7 @@ from hybrid.safetensors_io import SafetensorsFile
 # the published gpt-oss config's quantization_config
 MXFP4_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": [
     "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+FP8_BLOCK = 24  # Qwen3.5 FP8's block: I = 32 rows of gate, then up, share the second block of gate_up's rows
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +54,25 @@ def sources(tmp_path_factory, qwen3_5_fused):  # noqa: F811
     _write_mxfp4(mxfp4, mxfp4_ref)
     config = json.loads((mxfp4 / "config.json").read_text())
     (mxfp4 / "config.json").write_text(json.dumps(config | {"quantization_config": MXFP4_CONFIG}))
-    return {"gpt_oss": (bf16, ref), "gpt_oss_mxfp4": (mxfp4, mxfp4_ref), "qwen3_5": (qwen3_5_fused, None)}
+    fp8 = tmp_path_factory.mktemp("qwen3_5_fp8") / "src"
+    _write_fused_fp8(qwen3_5_fused, fp8)
+    return {"gpt_oss": (bf16, ref), "gpt_oss_mxfp4": (mxfp4, mxfp4_ref), "qwen3_5": (qwen3_5_fused, None),
+            "qwen3_5_fp8": (fp8, None)}
+
+
+def _write_fused_fp8(fused, dst) -> None:
+    """The fused Qwen3.5 checkpoint with its experts quantized to FP8 in FP8_BLOCK blocks per expert, as
+    transformers' FP8 experts hold them (`*_scale_inv` [E, blocks of N, blocks of K])."""
+    tensors = load_file(str(fused / "model.safetensors"))
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        codes, scales = zip(*(fp8_quantize(w, FP8_BLOCK) for w in tensors[name]), strict=True)
+        tensors[name], tensors[f"{name}_scale_inv"] = torch.stack(codes), torch.stack(scales)
+    dst.mkdir()
+    save_file(tensors, str(dst / "model.safetensors"))
+    config = json.loads((fused / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
+    (dst / "config.json").write_text(json.dumps(config))
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +97,13 @@ def _source_values(name: str, tensors: dict, layer: int, num_experts: int) -> di
         prefix = f"model.language_model.layers.{layer}.mlp.experts"
         return {role: torch.stack([tensors[f"{prefix}.{e}.{role}_proj.weight"].float() for e in range(num_experts)])
                 for role in ("gate", "up", "down")}
+    if name == "qwen3_5_fp8":  # the test's own block dequantization, expert by expert, then gate / up split
+        prefix = f"model.language_model.layers.{layer}.mlp.experts"
+        gate_up, down = (torch.stack([fp8_dequantize(q, s, FP8_BLOCK) for q, s in
+                                      zip(tensors[f"{prefix}.{p}"], tensors[f"{prefix}.{p}_scale_inv"], strict=True)])
+                         for p in ("gate_up_proj", "down_proj"))
+        inter = down.shape[2]
+        return {"gate": gate_up[:, :inter], "up": gate_up[:, inter:], "down": down}
     prefix = f"model.layers.{layer}.mlp.experts"
     if name == "gpt_oss_mxfp4":  # transformers' own dequantization: [E, H, 2I] and [E, I, H]
         gate_up = convert_moe_packed_tensors(tensors[f"{prefix}.gate_up_proj_blocks"],
@@ -91,7 +120,7 @@ def _source_values(name: str, tensors: dict, layer: int, num_experts: int) -> di
 
 CASES = [("gpt_oss", d) for d in ("int8", "int4", "fp8", "mxfp4", "nvfp4")] + \
     [("gpt_oss_mxfp4", d) for d in ("auto", "int8", "int4", "fp8", "nvfp4")] + \
-    [("qwen3_5", d) for d in ("auto", "int4", "fp8")]
+    [("qwen3_5", d) for d in ("auto", "int4", "fp8")] + [("qwen3_5_fp8", d) for d in ("auto", "int8")]
 
 
 @pytest.mark.parametrize("name,dtype", CASES)
@@ -101,11 +130,11 @@ def test_expert_files_are_the_direct_load_and_the_source(sources, converted, qwe
     cls, config = load_model_config(path)
     with torch.device("meta"):
         model = cls(config)
-    ckpt = Checkpoint.open(path, prefixes=model.checkpoint_prefixes)
+    ckpt = Checkpoint.open(path, config.fp8_block_size, prefixes=model.checkpoint_prefixes)
     fmt = expert_format(model, ckpt, dtype)
     spec = fmt.model_spec(model)
     is_gpt_oss = name.startswith("gpt_oss")
-    assert fmt.is_passthrough == (name == "gpt_oss_mxfp4" and dtype == "auto")
+    assert fmt.is_passthrough == (name in ("gpt_oss_mxfp4", "qwen3_5_fp8") and dtype == "auto")
     assert manifest(dst)["experts"]["is_copied_from_source"] == fmt.is_passthrough
     assert spec.activation == SWIGLU_OAI and spec.has_bias if is_gpt_oss else spec.is_plain
     source = load_file(str(path / "model.safetensors"))
@@ -123,8 +152,8 @@ def test_expert_files_are_the_direct_load_and_the_source(sources, converted, qwe
         values = _source_values(name, values_source, layer, spec.num_experts)
         for e in range(spec.num_experts):
             for role in ("gate", "up", "down"):
-                if fmt.is_passthrough:  # the published bits, de-interleaved by the test
-                    want = _published_bits(source, layer, e, role, spec)
+                if fmt.is_passthrough:  # the stored bits, de-interleaved or split by the test
+                    want = (_fp8_bits if name == "qwen3_5_fp8" else _published_bits)(source, layer, e, role, spec)
                 else:
                     want = quantize_matrix(values[role][e], plain)
                 for part, tensor in want.items():
@@ -144,6 +173,17 @@ def _published_bits(tensors, layer: int, e: int, role: str, spec) -> dict[str, t
                                                                                                                     rows]
     cols = spec.matrix_shape(role)[1]
     return {"weight": blocks.reshape(blocks.shape[0], -1)[:, : -(-cols // 2)], "scales": scales}
+
+
+def _fp8_bits(tensors, layer: int, e: int, role: str, spec) -> dict[str, torch.Tensor]:
+    """Qwen3.5 FP8's codes of `role` and their block scales repeated over each block's rows."""
+    prefix = f"model.language_model.layers.{layer}.mlp.experts"
+    name = f"{prefix}.down_proj" if role == "down" else f"{prefix}.gate_up_proj"
+    codes, scales = tensors[name][e], tensors[f"{name}_scale_inv"][e]
+    scales = scales.repeat_interleave(FP8_BLOCK, 0)[:codes.shape[0]]
+    inter = spec.intermediate_size
+    rows = {"gate": slice(0, inter), "up": slice(inter, 2 * inter), "down": slice(None)}[role]
+    return {"weight": codes[rows].view(torch.uint8), "scales": scales[rows]}
 
 
 def _logits(path, vocab: int = 256, **options) -> list[torch.Tensor]:
@@ -196,6 +236,18 @@ def test_qwen3_5_fused_conversion_equals_the_per_expert_one(sources, converted, 
     for n, got, want, direct in zip(PREFILL_LENGTHS, ours, _logits(plain, **options),
                                     _logits(sources["qwen3_5"][0], expert_placement="cpu", **options), strict=True):
         assert torch.equal(got, want) and torch.equal(got, direct), n
+
+
+def test_qwen3_5_fused_fp8_conversion_serves_as_the_checkpoint(sources, converted):
+    """Qwen3.5's fused FP8 experts converted under `auto` (kept as stored) and to int8: the logits of the
+    checkpoint served directly with the same expert dtype, exactly."""
+    path = sources["qwen3_5_fp8"][0]
+    options = dict(expert_activations="float", vocab=TEXT["vocab_size"], max_model_len=256, max_num_seqs=4)
+    for dtype in ("auto", "int8"):
+        ours = _logits(converted("qwen3_5_fp8", dtype), **options)
+        direct = _logits(path, expert_placement="cpu", expert_dtype=dtype, **options)
+        for n, got, want in zip(PREFILL_LENGTHS, ours, direct, strict=True):
+            assert torch.equal(got, want), (dtype, n)
 
 
 def test_nonfinite_and_misshapen_fused_experts_are_one_line(sources, tmp_path, capsys):

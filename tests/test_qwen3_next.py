@@ -9,57 +9,40 @@ import shutil
 
 import pytest
 import torch
+from qwen3_next_support import (
+    CHUNK,
+    MAX_MODEL_LEN,
+    NUM_LAYERS,
+    TEXT,
+    make_llm,
+    random_prompt,
+    write_qwen3_5,
+    write_qwen3_next,
+)
 from safetensors.torch import load_file, save_file
 
 from hybrid.engine import Engine
 from hybrid.forward_batch import ForwardBatch, SequenceSlice
 from hybrid.layers.norm import OffsetRMSNorm
-from hybrid.llm import LLM
 from hybrid.models import load_model_config
 from hybrid.routed_experts import RoutedExperts
 
 transformers = pytest.importorskip("transformers")
 
-NUM_LAYERS = 4  # layers 0-2 Gated DeltaNet, layer 3 full attention
-TEXT = dict(vocab_size=128, hidden_size=64, num_hidden_layers=NUM_LAYERS, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-            linear_key_head_dim=16, linear_value_head_dim=8, moe_intermediate_size=32,
-            shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2)
-VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
 PROMPT_LENS = (1, 7, 33, 200)
 NUM_GREEDY = 32
-MAX_MODEL_LEN = 256
-CHUNK = 48  # max_num_batched_tokens of the chunked engines: a 200-token prompt takes five chunks
-
-
-def _perturbed(model):
-    """transformers initialises the norms to 0 (or 1) and the DeltaNet's A_log/dt_bias to fixed ranges: noise on
-    every parameter makes (1 + w) against w, and every other weight, visible."""
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn(param.shape, generator=gen) * 0.05)
-    return model.eval()
 
 
 @pytest.fixture(scope="module")
 def qwen3_next(tmp_path_factory):
-    torch.manual_seed(0)
-    config = transformers.Qwen3NextConfig(**TEXT, intermediate_size=96)
-    model = _perturbed(transformers.Qwen3NextForCausalLM(config))
     path = tmp_path_factory.mktemp("qwen3_next")
-    model.save_pretrained(path)
-    return path, model
+    return path, write_qwen3_next(transformers, path)
 
 
 @pytest.fixture(scope="module")
 def qwen3_5(tmp_path_factory):
-    torch.manual_seed(0)
-    config = transformers.Qwen3_5MoeConfig(text_config=TEXT, vision_config=VISION)
-    model = _perturbed(transformers.Qwen3_5MoeForConditionalGeneration(config))
     path = tmp_path_factory.mktemp("qwen3_5")
-    model.save_pretrained(path)
-    return path, model
+    return path, write_qwen3_5(transformers, path)
 
 
 @pytest.fixture(scope="module")
@@ -81,16 +64,6 @@ def qwen3_5_fused(qwen3_5, tmp_path_factory):
     return out
 
 
-def _llm(path, **options):
-    options = {"device": "cpu", "dtype": "float32", "expert_placement": "device", "max_model_len": MAX_MODEL_LEN,
-               "max_num_seqs": 4} | options
-    return LLM(path, **options)
-
-
-def _prompt(length: int, seed: int = 0) -> list[int]:
-    return torch.randint(0, TEXT["vocab_size"], (length,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 def _reference_greedy(model, prompt: list[int]) -> list[int]:
     """Greedy tokens from transformers' uncached forward over the whole sequence at each step: its cached decode
     (5.17) leaves its own uncached logits after a 200-token prompt (the third token differs), ours does not."""
@@ -103,17 +76,17 @@ def _reference_greedy(model, prompt: list[int]) -> list[int]:
 
 @pytest.fixture(scope="module")
 def next_llm(qwen3_next):
-    return _llm(qwen3_next[0])
+    return make_llm(qwen3_next[0])
 
 
 @pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5"])
 def test_parity_with_transformers(arch, request):
     path, model = request.getfixturevalue(arch)
-    llm = request.getfixturevalue("next_llm") if arch == "qwen3_next" else _llm(path)
+    llm = request.getfixturevalue("next_llm") if arch == "qwen3_next" else make_llm(path)
     engine = Engine(llm, max_num_batched_tokens=CHUNK, max_num_seqs=1)  # prompts in chunks, states carried over
     try:
         for length in PROMPT_LENS:
-            prompt = _prompt(length, seed=length)
+            prompt = random_prompt(length, seed=length)
             with torch.no_grad():
                 ref = model(torch.tensor([prompt])).logits[0].float()
             ours = llm.prefill_logits(prompt)
@@ -157,7 +130,7 @@ def test_gated_attention_matches_transformers(qwen3_next, next_llm):
     captured = {}
     handle = model.model.layers[3].self_attn.register_forward_hook(
         lambda module, args, kwargs, out: captured.update(x=kwargs["hidden_states"], out=out[0]), with_kwargs=True)
-    prompt = _prompt(21, seed=3)
+    prompt = random_prompt(21, seed=3)
     with torch.no_grad():
         model(torch.tensor([prompt]))
     handle.remove()
@@ -174,9 +147,9 @@ def test_gated_attention_matches_transformers(qwen3_next, next_llm):
 
 
 def test_fused_expert_storage_loads(qwen3_5, qwen3_5_fused):
-    plain, fused = _llm(qwen3_5[0]), _llm(qwen3_5_fused)
+    plain, fused = make_llm(qwen3_5[0]), make_llm(qwen3_5_fused)
     assert fused.config.moe.has_fused_storage and not plain.config.moe.has_fused_storage
-    prompt = _prompt(9, seed=9)
+    prompt = random_prompt(9, seed=9)
     assert torch.equal(fused.prefill_logits(prompt), plain.prefill_logits(prompt))
 
 
@@ -186,14 +159,14 @@ def test_fused_experts_on_the_cpu_operator(qwen3_5, qwen3_5_fused, gpu_experts):
     activations) exactly as it quantizes the per-expert checkpoint; with GPU-resident experts their slots come from
     the same fused tensors."""
     options = dict(expert_placement="cpu", expert_activations="float", gpu_experts=gpu_experts)
-    plain, fused = _llm(qwen3_5[0], **options), _llm(qwen3_5_fused, **options)
-    prompt = _prompt(9, seed=10)
+    plain, fused = make_llm(qwen3_5[0], **options), make_llm(qwen3_5_fused, **options)
+    prompt = random_prompt(9, seed=10)
     want = plain.prefill_logits(prompt)
     assert torch.equal(fused.prefill_logits(prompt), want)
     layers = [m for m in fused.model.modules() if isinstance(m, RoutedExperts)]
     assert layers and all(m.cpu_experts.op.spec.dtype == "int8" and len(m.gpu_expert_ids) == gpu_experts
                           for m in layers)
-    assert not torch.equal(want, _llm(qwen3_5[0]).prefill_logits(prompt))  # int8 experts, not the float ones
+    assert not torch.equal(want, make_llm(qwen3_5[0]).prefill_logits(prompt))  # int8 experts, not the float ones
 
 
 # --- the engine's state slots ---
@@ -224,7 +197,7 @@ def _slots_match_running(engine):
 
 
 def test_batched_chunked_prefill_gives_solo_tokens(next_llm):
-    prompts = [_prompt(n, seed=n) for n in (5, 60, 130, 17)]
+    prompts = [random_prompt(n, seed=n) for n in (5, 60, 130, 17)]
     solo = _solo(next_llm, prompts, 12)
     engine = Engine(next_llm, max_num_batched_tokens=CHUNK, max_num_seqs=4)
     try:
@@ -236,8 +209,8 @@ def test_batched_chunked_prefill_gives_solo_tokens(next_llm):
 
 
 def test_preemption_frees_slots_and_recomputes(qwen3_next):
-    llm = _llm(qwen3_next[0], kv_cache_tokens=MAX_MODEL_LEN)  # 16 pages: two 140-token requests need 18
-    prompts = [_prompt(110, seed=s) for s in (1, 2, 3)]
+    llm = make_llm(qwen3_next[0], kv_cache_tokens=MAX_MODEL_LEN)  # 16 pages: two 140-token requests need 18
+    prompts = [random_prompt(110, seed=s) for s in (1, 2, 3)]
     solo = _solo(llm, prompts, 30)
     engine = Engine(llm, max_num_batched_tokens=CHUNK, max_num_seqs=3)
     preempted = []
@@ -246,13 +219,14 @@ def test_preemption_frees_slots_and_recomputes(qwen3_next):
     try:
         assert _run(engine, prompts, 30, _slots_match_running) == solo
         assert preempted
+        assert engine.stats().num_snapshot_hits  # a preempted request resumed from its own state snapshot
         assert engine.stats().num_free_state_slots == engine.stats().num_state_slots
     finally:
         engine.close()
 
 
 def test_cancel_frees_the_slot(next_llm):
-    prompts = [_prompt(30, seed=7), _prompt(12, seed=8)]
+    prompts = [random_prompt(30, seed=7), random_prompt(12, seed=8)]
     solo = _solo(next_llm, prompts[1:], 8)
     engine = Engine(next_llm, max_num_batched_tokens=CHUNK, max_num_seqs=2)
     try:
@@ -270,8 +244,8 @@ def test_cancel_frees_the_slot(next_llm):
 
 
 def test_exhausted_slot_pool_queues_requests(qwen3_next):
-    llm = _llm(qwen3_next[0], max_num_seqs=2)  # two state slots
-    prompts = [_prompt(n, seed=n) for n in (9, 14, 3, 22)]
+    llm = make_llm(qwen3_next[0], max_num_seqs=2)  # two state slots
+    prompts = [random_prompt(n, seed=n) for n in (9, 14, 3, 22)]
     solo = _solo(llm, prompts, 6)
     engine = Engine(llm, max_num_batched_tokens=CHUNK, max_num_seqs=4)
     try:
@@ -287,20 +261,12 @@ def test_exhausted_slot_pool_queues_requests(qwen3_next):
         engine.close()
 
 
-def test_prefix_caching_is_off(next_llm):
-    assert not next_llm.blocks.enable_prefix_caching
-
-
 @pytest.fixture(scope="module")
 def qwen3_next_kernel_dims(tmp_path_factory):
     """Qwen3-Next with head dims the kernels take (GDN 64 / 64, attention 64), two v heads per k head."""
-    torch.manual_seed(0)
-    dims = TEXT | dict(head_dim=64, linear_key_head_dim=64, linear_value_head_dim=64, linear_num_key_heads=1,
-                       linear_num_value_heads=2)
-    model = _perturbed(transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**dims, intermediate_size=96)))
     path = tmp_path_factory.mktemp("qwen3_next_kernels")
-    model.save_pretrained(path)
-    return path, model
+    return path, write_qwen3_next(transformers, path, head_dim=64, linear_key_head_dim=64, linear_value_head_dim=64,
+                                  linear_num_key_heads=1, linear_num_value_heads=2)
 
 
 def test_kernel_path_matches_transformers(qwen3_next_kernel_dims):
@@ -309,17 +275,17 @@ def test_kernel_path_matches_transformers(qwen3_next_kernel_dims):
     from gpu_support import DEVICE
 
     path, model = qwen3_next_kernel_dims
-    llm = _llm(path, device=str(DEVICE), kernels="triton")
+    llm = make_llm(path, device=str(DEVICE), kernels="triton")
     assert llm.backends.attention.name == "triton" and llm.backends.attention.has_linear_kernels
     for length in (1, 7, 33):
-        prompt = _prompt(length, seed=50 + length)
+        prompt = random_prompt(length, seed=50 + length)
         with torch.no_grad():
             ref = model.to(DEVICE)(torch.tensor([prompt], device=DEVICE)).logits[0].float()
         ours = llm.prefill_logits(prompt)
         assert (ours - ref).abs().max() <= 1e-4 * ref.abs().max(), f"kernels: prefill of {length} tokens"
     engine = Engine(llm, max_num_batched_tokens=16, max_num_seqs=2)  # a 33-token prompt in three chunks
     try:
-        prompt = _prompt(33, seed=83)
+        prompt = random_prompt(33, seed=83)
         tokens = engine.generate([prompt], max_tokens=8, ignore_eos=True)[0]
     finally:
         engine.close()
@@ -335,10 +301,10 @@ def test_graph_decode_equals_eager(qwen3_next_kernel_dims):
     """Decode steps replayed as CUDA graphs read and write the recurrent states by slot (static slot buffers, padded
     rows skipped): the graph engine generates what the eager engine does, batched with chunked prefill."""
     path, _ = qwen3_next_kernel_dims
-    prompts = [_prompt(n, seed=90 + n) for n in (1, 9, 21, 40)]  # a one-token prompt starts its state eagerly
+    prompts = [random_prompt(n, seed=90 + n) for n in (1, 9, 21, 40)]  # a one-token prompt starts its state eagerly
     outputs = {}
     for is_graph in (False, True):
-        llm = _llm(path, device="cuda", dtype="bfloat16", kernels="triton", cuda_graph=is_graph)
+        llm = make_llm(path, device="cuda", dtype="bfloat16", kernels="triton", cuda_graph=is_graph)
         engine = Engine(llm, max_num_batched_tokens=16, max_num_seqs=4)
         try:
             outputs[is_graph] = engine.generate(prompts, max_tokens=24, ignore_eos=True)

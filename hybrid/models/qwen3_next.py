@@ -15,7 +15,9 @@ checkpoints, and the text-only `Qwen3_5MoeForCausalLM`), as transformers' `model
   (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]: the released Qwen3.5), found in the checkpoint's
   names; on the engine's device the fused ones load into the per-expert parameters
   (`hybrid.layers.moe.FusedExpertsTarget`), on the CPU operator they are read expert by expert and quantized at load
-  (`hybrid.direct_experts`).
+  (`hybrid.direct_experts`). Block-FP8 releases store the experts per expert with `weight_scale_inv` (Qwen's FP8
+  checkpoints) or fused with `*_scale_inv` blocks per expert (transformers' FP8 experts): kept as stored on the CPU
+  operator, dequantized at load on the device.
 - Multi-token-prediction weights (`mtp.*`) and Qwen3.5's vision tower (`model.visual.*`) are not loaded.
 """
 

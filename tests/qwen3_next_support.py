@@ -1,0 +1,56 @@
+"""Tiny Qwen3-Next and Qwen3.5-MoE checkpoints written by transformers (the Qwen3.5 one through its multimodal
+wrapper, with a tiny vision tower), and the CPU engine options their tests share."""
+
+from __future__ import annotations
+
+import torch
+
+from hybrid.llm import LLM
+
+NUM_LAYERS = 4  # layers 0-2 Gated DeltaNet, layer 3 full attention
+TEXT = dict(vocab_size=128, hidden_size=64, num_hidden_layers=NUM_LAYERS, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+            linear_key_head_dim=16, linear_value_head_dim=8, moe_intermediate_size=32,
+            shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2)
+VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+MAX_MODEL_LEN = 256
+CHUNK = 48  # max_num_batched_tokens of the chunked engines: a 200-token prompt takes five chunks
+
+
+def perturbed(model):
+    """transformers initialises the norms to 0 (or 1) and the DeltaNet's A_log/dt_bias to fixed ranges: noise on
+    every parameter makes (1 + w) against w, and every other weight, visible."""
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=gen) * 0.05)
+    return model.eval()
+
+
+def write_qwen3_next(transformers, path, **dims):
+    """Saves a perturbed random Qwen3NextForCausalLM (TEXT, with `dims` changed) under `path`; returns it."""
+    torch.manual_seed(0)
+    config = transformers.Qwen3NextConfig(**(TEXT | dims), intermediate_size=96)
+    model = perturbed(transformers.Qwen3NextForCausalLM(config))
+    model.save_pretrained(path)
+    return model
+
+
+def write_qwen3_5(transformers, path, **dims):
+    """Saves a perturbed random Qwen3_5MoeForConditionalGeneration (TEXT with `dims` changed, VISION) under `path`;
+    returns it."""
+    torch.manual_seed(0)
+    config = transformers.Qwen3_5MoeConfig(text_config=TEXT | dims, vision_config=VISION)
+    model = perturbed(transformers.Qwen3_5MoeForConditionalGeneration(config))
+    model.save_pretrained(path)
+    return model
+
+
+def make_llm(path, **options) -> LLM:
+    options = {"device": "cpu", "dtype": "float32", "expert_placement": "device", "max_model_len": MAX_MODEL_LEN,
+               "max_num_seqs": 4} | options
+    return LLM(path, **options)
+
+
+def random_prompt(length: int, seed: int = 0) -> list[int]:
+    return torch.randint(0, TEXT["vocab_size"], (length,), generator=torch.Generator().manual_seed(seed)).tolist()
