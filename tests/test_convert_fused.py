@@ -262,3 +262,20 @@ def test_nonfinite_and_misshapen_fused_experts_are_one_line(sources, tmp_path, c
         save_file(tensors | {name: edit(tensors[name].clone())}, str(src / "model.safetensors"))
         line = fails(capsys, src, tmp_path / f"dst{len(message)}", "--expert-dtype", "int8")
         assert f"'{name}'" in line and message in line, line
+
+
+def test_fused_fp8_scales_nonfinite_or_misshapen_are_one_line(sources, tmp_path, capsys):
+    """A fused FP8 expert's block scales holding NaN (copied as stored), or of the wrong shape: one line naming the
+    scale tensor."""
+    path = sources["qwen3_5_fp8"][0]
+    tensors = load_file(str(path / "model.safetensors"))
+    name = "model.language_model.layers.1.mlp.experts.down_proj_scale_inv"
+    for key, edit, message, dtype in ((
+            "nan", lambda t: t.index_fill_(0, torch.tensor([5]), float("nan")), "holds NaN or inf", "auto"),
+            ("shape", lambda t: t[:, :1].contiguous(), "has shape", "int8")):
+        src = tmp_path / f"src_{key}"
+        src.mkdir()
+        (src / "config.json").write_text((path / "config.json").read_text())
+        save_file(tensors | {name: edit(tensors[name].clone())}, str(src / "model.safetensors"))
+        line = fails(capsys, src, tmp_path / f"dst_{key}", "--expert-dtype", dtype)
+        assert f"'{name.replace('language_model.', '')}'" in line and message in line, line  # the model's name
