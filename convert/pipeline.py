@@ -97,7 +97,7 @@ def _convert(plan: Plan, quantizer, dst: Path, key: dict, options: ConvertOption
                           "the same ones to resume, or pass --overwrite")
     done = journal.resume(dst) if previous is not None else {}
     todo = [unit for unit in plan.units if unit.path not in done]
-    spec = expert_format.spec(plan.config)
+    spec = expert_format.model_spec(plan.model)  # the model's activation and biases (gpt-oss) recorded in the files
     _check_space(dst, sum(_unit_bytes(plan, unit, quantizer, spec) for unit in todo))
     _remove_stale_temporaries(dst)
     journal.start()
@@ -226,6 +226,8 @@ def _write_small_files(plan: Plan, dst: Path, quantizer) -> list[str]:
     written = [INDEX_FILE]
     write_bytes_atomic(dst / INDEX_FILE, json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2).encode())
     config = json.loads((plan.source / "config.json").read_text())
+    if (config.get("quantization_config") or {}).get("quant_method") == "mxfp4":
+        del config["quantization_config"]  # gpt-oss: its MXFP4 tensors (the experts) are in the expert files now
     quantizer.update_config(config)
     write_bytes_atomic(dst / "config.json", (json.dumps(config, indent=2) + "\n").encode())
     written.append("config.json")

@@ -1,7 +1,9 @@
 """What a conversion writes, decided before anything is written: the source is opened and checked whole
 (config, every shard's header, every tensor's name and shape against the model), then split into units of
 one output file each: the non-layer GPU weights, each layer's GPU weights, each MoE layer's routed experts.
-A unit is the granule of streaming (its tensors pass through memory one at a time) and of resuming.
+A unit is the granule of streaming (its tensors pass through memory one at a time) and of resuming. A layer whose
+experts are stored fused (gpt-oss, Qwen3.5: `hybrid.fused_experts`) has its fused tensors checked by their reader's
+expectations instead of the model's names, and read one expert's rows at a time.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from hybrid.checkpoint import Checkpoint
 from hybrid.config import ModelConfig
 from hybrid.converted import MANIFEST_FILE
 from hybrid.errors import CheckpointError, ConfigError
+from hybrid.fused_experts import FusedExperts, fused_experts
 from hybrid.loader import check_names
 from hybrid.models import load_model_config
 from hybrid.models.base import MoECausalLM
@@ -53,6 +56,7 @@ class Plan:
     targets: dict[str, torch.Tensor] = field(default_factory=dict)  # checkpoint name -> meta tensor (shape)
     units: list[Unit] = field(default_factory=list)
     allow_nonfinite: bool = False  # --allow-nonfinite: NaN and inf in the source are converted, not refused
+    fused: dict[int, FusedExperts] = field(default_factory=dict)  # MoE layer -> its fused experts (gpt-oss, Qwen3.5)
 
     def expert_name(self, layer: int, expert: int, role: str) -> str:
         return self.model.routed_expert_name(layer, expert, role)
@@ -86,24 +90,37 @@ def build_plan(source: str | Path, allow_nonfinite: bool = False) -> Plan:
         raise ConfigError(f"{source}: already a hybrid-convert output ({MANIFEST_FILE} present); convert the "
                           "original HuggingFace checkpoint instead")
     cls, config = load_model_config(source)
-    if hasattr(cls, "fused_experts_prefix"):  # one fused tensor per projection, not per expert (gpt-oss)
-        raise ConfigError(f"{source}: {config.architecture} keeps its experts fused, which hybrid-convert does not "
-                          "read; serve the checkpoint directly (hybrid-serve MODEL, expert_placement cpu: its MXFP4 "
-                          "experts run as published, bf16 ones are quantized at load)")
     with torch.device("meta"):
         model = cls(config)
     ckpt = Checkpoint.open(source, config.fp8_block_size, config.compressed_tensors,
                            prefixes=model.checkpoint_prefixes, is_modelopt=config.is_modelopt)
-    check_names(source, model, set(ckpt.parts))
-    _check_shapes(ckpt, model)
-    plan = Plan(source, ckpt, config, model, model.checkpoint_targets(), allow_nonfinite=allow_nonfinite)
+    fused = {layer: f for layer in config.moe_layer_indices if (f := fused_experts(model, ckpt, layer)) is not None}
+    fused_prefixes = tuple(f"{f.prefix}." for f in fused.values())
+    check_names(source, model, set(ckpt.parts), lambda name: name.startswith(fused_prefixes))
+    _check_fused(ckpt, config, fused)
+    _check_shapes(ckpt, model, fused_prefixes)
+    plan = Plan(source, ckpt, config, model, model.checkpoint_targets(), allow_nonfinite=allow_nonfinite, fused=fused)
     plan.units = _units(plan)
     return plan
 
 
-def _check_shapes(ckpt: Checkpoint, model: MoECausalLM) -> None:
+def _check_fused(ckpt: Checkpoint, config: ModelConfig, fused: dict[int, FusedExperts]) -> None:
+    """Each fused layer's stored tensors as its reader expects them, and nothing else under its prefix."""
+    for f in fused.values():
+        f.check(ckpt, config.moe.num_experts, config.hidden_size, config.moe.intermediate_size)
+        names = f.names()
+        unexpected = sorted(n for n in ckpt.parts if n.startswith(f"{f.prefix}.") and n not in names)
+        if unexpected:
+            expected = ", ".join(n.rpartition(".")[2] for n in names)
+            raise CheckpointError(f"{ckpt.file_of(unexpected[0])}: unexpected tensor '{unexpected[0]}' beside the "
+                                  f"fused experts of '{f.prefix}' ({expected})")
+
+
+def _check_shapes(ckpt: Checkpoint, model: MoECausalLM, skipped: tuple[str, ...] = ()) -> None:
     targets = model.checkpoint_targets()
     for name in ckpt.parts:
+        if name.startswith(skipped):
+            continue
         if not model.is_ignored_tensor(name):
             ckpt.check_parts(name)
         shape = ckpt.logical_shape(name)
@@ -117,9 +134,10 @@ def _units(plan: Plan) -> list[Unit]:
     used = sorted(name for name in ckpt.parts if not model.is_ignored_tensor(name))
     expert_names = {
         plan.expert_name(layer, e, role): layer
-        for layer in range(config.num_layers) if config.moe_layers[layer]
+        for layer in range(config.num_layers) if config.moe_layers[layer] and layer not in plan.fused
         for e in range(config.moe.num_experts) for role in ROLES
     }
+    expert_names |= {name: layer for layer, f in plan.fused.items() for name in f.names()}
     by_layer: dict[int | None, list[str]] = {}
     for name in used:
         if name in expert_names:

@@ -4,7 +4,9 @@ GPU units keep HuggingFace names: each tensor is copied as stored (its quantizat
 quantizer, quantized into the compressed-tensors parts. Expert units write the stacked layout of
 `cpu_experts.expert_file`, expert by expert, `threads` experts at a time: quantized from the source's (dequantized)
 weights, or, for a source's own FP8 / MXFP4 / NVFP4 / INT4 (`convert.experts`), copied
-(`hybrid.native_experts.projection_parts`, shared with the runtime that serves a checkpoint directly).
+(`hybrid.native_experts.projection_parts`, shared with the runtime that serves a checkpoint directly). A layer whose
+experts are stored fused (gpt-oss, Qwen3.5: `Plan.fused`) is read expert by expert by its layout's reader
+(`hybrid.fused_experts`, the runtime's too), with gpt-oss's biases.
 """
 
 from __future__ import annotations
@@ -39,9 +41,15 @@ def write_expert_unit(plan: Plan, unit: Unit, path: Path, spec: ExpertLayerSpec,
     specs = [TensorSpec(name, dtype, shape) for name, (shape, dtype) in shapes.items()]
     writer = SafetensorsWriter(path, specs, spec.metadata(unit.layer))
 
+    fused = plan.fused.get(unit.layer)
+
     def one_expert(expert: int) -> None:
         # Experts are independent entries of every stacked tensor: workers write disjoint byte ranges. Rows are
         # quantized independently, so chunks of rows bound the float32 temporaries of each worker.
+        if fused is not None:  # one expert's rows of the layer's fused tensors at a time
+            for name, tensor in fused.expert_parts(plan.ckpt, expert, spec, is_passthrough, plan.check_finite):
+                writer.write(name, tensor, row=expert)
+            return
         for role in ROLES:
             name = plan.expert_name(unit.layer, expert, role)
             for part, tensor, first in projection_parts(plan.ckpt, name, role, spec, is_passthrough,

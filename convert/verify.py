@@ -12,6 +12,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from convert.plan import ROLES, build_plan
+from cpu_experts.expert_file import ExpertLayerSpec
 from hybrid.converted import MANIFEST_FILE, ConvertedExperts, read_manifest
 from hybrid.errors import CheckpointError
 from hybrid.safetensors_io import sha256_file
@@ -71,21 +72,24 @@ def expert_errors(dst: Path, source: Path, progress: bool | None = None) -> dict
     names = experts.names()
     config = plan.config
     layers = [i for i in range(config.num_layers) if config.moe_layers[i]]
+    spec = ExpertLayerSpec(config.moe.num_experts, config.hidden_size, config.moe.intermediate_size, "bf16", 0)
     out = {}
     for layer in tqdm(layers, desc="expert error", unit="layer", disable=None if progress is None else not progress):
-        out[layer] = {}
-        for role in ROLES:
-            err = ref = 0.0
-            for expert in range(config.moe.num_experts):
+        fused = plan.fused.get(layer)
+        sums = {role: [0.0, 0.0] for role in ROLES}  # role -> [sum of squared errors, sum of squared source values]
+        for expert in range(config.moe.num_experts):
+            # gpt-oss, Qwen3.5: the expert's rows of the layer's fused tensors, read once for its three roles
+            source_weights = fused.float_weights(plan.ckpt, expert, spec) if fused is not None else {}
+            for role in ROLES:
                 name = plan.expert_name(layer, expert, role)
                 if name not in names:
                     raise CheckpointError(f"{dst}: no converted expert '{name}': is {source} its source?")
-                want = plan.ckpt.read(name).float()
+                want = source_weights[role] if fused is not None else plan.ckpt.read(name).float()
                 got = experts.read(name).float()
                 if got.shape != want.shape:
                     raise CheckpointError(f"{dst}: '{name}' has shape {tuple(got.shape)}, the source has "
                                           f"{tuple(want.shape)}")
-                err += float((got - want).pow(2).sum())
-                ref += float(want.pow(2).sum())
-            out[layer][role] = math.sqrt(err / ref) if ref > 0 else math.sqrt(err)
+                sums[role][0] += float((got - want).pow(2).sum())
+                sums[role][1] += float(want.pow(2).sum())
+        out[layer] = {role: math.sqrt(err / ref) if ref > 0 else math.sqrt(err) for role, (err, ref) in sums.items()}
     return out

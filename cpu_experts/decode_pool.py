@@ -255,11 +255,8 @@ def _serve(tid, num_threads, ctl, flags, seen, idle_cycles, hidden, ids, weights
 
 def supports(op: CpuMoE) -> bool:
     """Whether the pool can serve this layer's decode steps: W8A8 int8 or int4 on the integer kernels, or a float
-    format (FP8, MXFP4, NVFP4) on its decode kernels."""
-    # W8A8 layers with another activation or biases (gpt-oss) are not served yet: their steps differed from the
-    # operator's in the last bits (not yet explained), so they stay with the executor's kernels
-    return op.spec.dtype in FLOAT_KINDS or op.spec.dtype in ("int8", "int4") and op.is_w8a8 and op.is_vnni \
-        and op.spec.is_plain
+    format (FP8, MXFP4, NVFP4) on its decode kernels; silu or another activation with biases (gpt-oss)."""
+    return op.spec.dtype in FLOAT_KINDS or op.spec.dtype in ("int8", "int4") and op.is_w8a8 and op.is_vnni
 
 
 def _kind(op: CpuMoE) -> int:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
+from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 FLAGS = dict(parallel=True, fastmath=True, nogil=True, cache=True)
@@ -46,12 +47,27 @@ def float32_bits(typingctx, value):
 
 @intrinsic
 def plain_add(typingctx, a, b):
-    """a + b (float32) without fast-math flags: never fused with the product that feeds it into an FMA, which
-    LLVM may or may not do depending on how a helper was inlined, so every kernel that adds a bias rounds the
-    same way (the decode pool equals the operator bit for bit)."""
+    """a + b (float32) without fast-math flags: not reassociated with what surrounds it. Its flags alone do not keep
+    LLVM from fusing it with a product that feeds it (it did, in parallel loops): such a product goes through
+    `fence` first, so every kernel that adds a bias rounds the same way (the decode pool equals the operator bit for
+    bit)."""
     def codegen(context, builder, sig, args):
         return builder.fadd(args[0], args[1])
     return types.float32(types.float32, types.float32), codegen
+
+
+@intrinsic
+def fence(typingctx, value):
+    """`value` (float32) rounded where it stands: `llvm.arithmetic.fence`, across which LLVM neither contracts nor
+    reassociates. A product that feeds a bias add goes through it, so every kernel rounds the product before the add:
+    without it LLVM fused the two into an FMA inside the operator's parallel loops (whatever the add's own flags:
+    `plain_add`) but not in the decode pool's, and gpt-oss's act values differed by 1-2 ulps between them, which
+    moved an act row's int8 scale (its absmax) and every output column of that token."""
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.FloatType(), [ir.FloatType()]),
+                                            "llvm.arithmetic.fence.f32")
+        return builder.call(fn, args)
+    return types.float32(types.float32), codegen
 
 
 @njit(fastmath=True, nogil=True, cache=True, error_model="numpy")
@@ -124,8 +140,8 @@ def activation(g, v, epilogue, e, i, is_fast):
             return silu_mul(g, v)
         return g / (np.float32(1.0) + np.exp(-g)) * v
     kind, alpha, limit, gate_bias, up_bias = epilogue
-    g = plain_add(np.float32(g), gate_bias[e, i])
-    v = plain_add(np.float32(v), up_bias[e, i])
+    g = plain_add(fence(np.float32(g)), gate_bias[e, i])
+    v = plain_add(fence(np.float32(v)), up_bias[e, i])
     if kind == ACT_SWIGLU_OAI:
         g = min(g, limit)
         v = min(max(v, -limit), limit)
@@ -143,7 +159,7 @@ def add_down_bias(lo, hi, experts, offsets, pair_token, pair_weight, down_bias, 
         for p in range(offsets[u], offsets[u + 1]):
             t, weight = pair_token[p], pair_weight[p]
             for h in range(lo, hi):
-                out[t, h] = plain_add(out[t, h], weight * down_bias[e, h])
+                out[t, h] = plain_add(out[t, h], fence(weight * down_bias[e, h]))
 
 
 @njit(**FLAGS)

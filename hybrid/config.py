@@ -355,8 +355,9 @@ MODELOPT_ALGOS = ("NVFP4",)
 
 def parse_quantization(raw: RawConfig, checkpoint_dir: Path | None = None) -> dict[str, Any]:
     """The checkpoint's weight storage, as ModelConfig fields: DeepSeek-style block FP8 (`quant_method: fp8`, e4m3,
-    `weight_block_size`), compressed-tensors (what `hybrid-convert --gpu-quant` and llm-compressor write) or NVIDIA
-    ModelOpt NVFP4 (`quant_method: modelopt`, or no quantization_config beside an `hf_quant_config.json`)."""
+    `weight_block_size`), compressed-tensors (what `hybrid-convert --gpu-quant` and llm-compressor write), NVIDIA
+    ModelOpt NVFP4 (`quant_method: modelopt`, or no quantization_config beside an `hf_quant_config.json`) or
+    gpt-oss's MXFP4 experts (`quant_method: mxfp4`: the rest is stored unquantized)."""
     quant = raw.get("quantization_config")
     plain = {"fp8_block_size": None, "compressed_tensors": None, "is_modelopt": False}
     if not quant:
@@ -372,9 +373,11 @@ def parse_quantization(raw: RawConfig, checkpoint_dir: Path | None = None) -> di
             raise ConfigError(str(exc)) from None
     if method == "modelopt":
         return plain | {"is_modelopt": parse_modelopt(quant, f"{raw.source}: quantization_config")}
+    if method == "mxfp4":  # gpt-oss as published: only its fused experts, which `hybrid.fused_experts` reads
+        return plain
     if method != "fp8":
         raise raw.error(f"quantization_config.quant_method '{method}' is not supported here; supported: fp8, "
-                        "compressed-tensors, modelopt")
+                        "compressed-tensors, modelopt, mxfp4")
     block = quant.get("weight_block_size")
     if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
         raise raw.error(f"quantization_config.weight_block_size must be two positive integers, got {block!r}")

@@ -50,7 +50,7 @@ def open_sources(model, checkpoint_dir: str | Path, keep_quantized: bool = False
     if experts:
         sources.update({name: experts for name in experts.names() if name in targets})
     else:
-        direct = direct_experts.direct_expert_names(model) - set(targets)  # GPU-resident ones are targets
+        direct = direct_experts.direct_expert_names(model, ckpt) - set(targets)  # GPU-resident ones are targets
         missing = sorted(direct - set(ckpt.parts))
         if missing:
             raise CheckpointError(f"{checkpoint_dir}: missing tensor '{missing[0]}'"
@@ -108,9 +108,14 @@ def _check_shape(source, name: str, shape: tuple[int, ...], target: torch.Tensor
         )
 
 
-def check_names(checkpoint_dir: Path, model, present: set[str]) -> None:
-    """Every expected tensor present (except optional ones), nothing present that the model does not use."""
+def check_names(checkpoint_dir: Path, model, present: set[str], is_checked_elsewhere=None) -> None:
+    """Every expected tensor present (except optional ones), nothing present that the model does not use.
+    `is_checked_elsewhere(name)`: names left out on both sides (the converter's fused experts, which their reader
+    checks: `hybrid.fused_experts`)."""
     targets = model.checkpoint_targets()
+    if is_checked_elsewhere is not None:
+        targets = {name: t for name, t in targets.items() if not is_checked_elsewhere(name)}
+        present = {name for name in present if not is_checked_elsewhere(name)}
     present = {name for name in present if not model.is_ignored_tensor(name)}
     missing = sorted(set(targets) - present - model.optional_tensor_names())
     if missing:

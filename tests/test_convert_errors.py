@@ -98,14 +98,26 @@ def test_unknown_architecture(src, capsys, tmp_path):
     assert "NotAMoeForCausalLM" in line, line
 
 
-def test_fused_experts_are_refused_with_the_way_to_serve_them(capsys, tmp_path):
-    """gpt-oss keeps each layer's experts as fused tensors: one line saying to serve the checkpoint directly."""
+@pytest.mark.parametrize("breakage", ["missing", "leftover"])
+def test_fused_experts_missing_or_extra_are_one_line(capsys, tmp_path, breakage):
+    """gpt-oss keeps each layer's experts as fused tensors: one missing, or one more beside them, is one line naming
+    it, before anything is written."""
+    from safetensors.torch import load_file, save_file
     from test_gpt_oss import make_gpt_oss
 
     make_gpt_oss(tmp_path / "src")
+    file = tmp_path / "src" / "model.safetensors"
+    tensors = load_file(str(file))
+    name = "model.layers.3.mlp.experts.down_proj_bias"
+    if breakage == "missing":
+        del tensors[name]
+    else:
+        name = "model.layers.3.mlp.experts.down_proj_scales"
+        tensors[name] = torch.zeros(3, dtype=torch.uint8)
+    save_file(tensors, str(file))
     line = fails(capsys, tmp_path / "src", tmp_path / "out")
-    assert "GptOssForCausalLM keeps its experts fused" in line and "serve the checkpoint directly" in line, line
-    assert not (tmp_path / "out").exists()
+    assert f"'{name}'" in line and ("is missing" if breakage == "missing" else "unexpected tensor") in line, line
+    assert not list((tmp_path / "out").glob("experts/*.safetensors"))
 
 
 @pytest.mark.parametrize("breakage, name", [

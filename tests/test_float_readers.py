@@ -39,7 +39,7 @@ from hybrid import LLM
 from hybrid.checkpoint import Checkpoint
 from hybrid.direct_experts import expert_format, read_layer
 from hybrid.errors import CheckpointError, ConfigError
-from hybrid.native_experts import read_gpt_oss_layer
+from hybrid.fused_experts import INTERLEAVED_MXFP4, FusedExperts, read_fused_layer
 
 REL_TOL = 1e-4
 CT_NVFP4_REL = 2.0 ** -22  # e2m1 * scale * float32(1 / g) against compressed-tensors' e2m1 * (scale / g)
@@ -164,7 +164,7 @@ def test_gpt_oss_fused_mxfp4_layout(tmp_path):
     prefix = "model.layers.0.mlp.experts"
     save_file({f"{prefix}.{n}": t for n, t in tensors.items()}, str(tmp_path / "model.safetensors"))
     spec = ExpertLayerSpec(num_experts, hidden, inter, "mxfp4", 32, "e8m0")
-    out = read_gpt_oss_layer(Checkpoint.open(tmp_path), prefix, spec)
+    out = read_fused_layer(Checkpoint.open(tmp_path), FusedExperts(prefix, INTERLEAVED_MXFP4), spec, True)
     assert {n: (tuple(t.shape), t.dtype) for n, t in out.items()} == \
         {n: s for n, s in spec.tensor_shapes().items()}
     gate_up = convert_moe_packed_tensors(tensors["gate_up_proj_blocks"], tensors["gate_up_proj_scales"],

@@ -13,7 +13,7 @@
   `swiglu_oai`, both biases) where the Triton kernels run in bf16/fp16, else through the PyTorch loop below; with
   the CPU operator (`expert_placement="cpu"`, or a converted directory) through the layer's `RoutedExperts`, whose
   expert files carry the activation (`SWIGLU_OAI`) and the biases, read from the checkpoint by
-  `hybrid.native_experts.read_gpt_oss_layer` (published MXFP4 as stored, bf16 quantized).
+  `hybrid.fused_experts` (published MXFP4 as stored, bf16 quantized), as `hybrid-convert` reads them.
 """
 
 from __future__ import annotations
