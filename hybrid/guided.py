@@ -27,9 +27,12 @@ if TYPE_CHECKING:
     import xgrammar
 
 MAX_CACHED_GRAMMARS = 256
-# a length-bounded JSON string's characters in xgrammar's grammar (as it prints them), and those JSON allows
-LENIENT_STRING_CHARACTERS = r'[^\"\\\r\n]'
-JSON_STRING_CHARACTERS = r'[^\0-\x1f\"\\]'
+# xgrammar's JSON string characters (as it prints them): a length-bounded string's take raw control characters,
+# which JSON forbids (`json.loads` refuses them), and both take UTF-16 surrogates (U+D800-DFFF), which UTF-8 forbids
+# (decoding makes each byte a U+FFFD): the characters JSON and UTF-8 allow instead
+SURROGATES = r"\uD800-\uDFFF"
+STRING_CHARACTERS = {r'[^\"\\\r\n]': r'[^\0-\x1f\"\\' + SURROGATES + "]",
+                     r'[^\0-\x1f\"\\\r\n]': r'[^\0-\x1f\"\\' + SURROGATES + "]"}
 NEEDS_TOKENIZER = "guided decoding needs a tokenizer: build the engine with Engine(llm, tokenizer=...)"
 
 
@@ -115,15 +118,18 @@ def error_reason(exc: Exception) -> str:
 
 def json_schema_grammar(schema: str) -> str:
     """The EBNF grammar of compact JSON valid against `schema` (JSON text): no optional whitespace, which a model
-    could otherwise pad its output with up to max_tokens. xgrammar lets a string with a length bound hold raw
-    control characters, which JSON forbids (`json.loads` refuses them): they are taken out of its characters."""
+    could otherwise pad its output with up to max_tokens; its strings' characters those JSON and UTF-8 allow
+    (`STRING_CHARACTERS`)."""
     import xgrammar
 
     try:
         grammar = xgrammar.Grammar.from_json_schema(schema, any_whitespace=False)
     except Exception as exc:  # xgrammar raises RuntimeError (and its own errors) for invalid schemas
         raise ValueError(f"invalid json_schema: {error_reason(exc)}") from None
-    return str(grammar).replace(LENIENT_STRING_CHARACTERS, JSON_STRING_CHARACTERS)
+    text = str(grammar)
+    for lenient, strict in STRING_CHARACTERS.items():
+        text = text.replace(lenient, strict)
+    return text
 
 
 def choice_grammar(choices: list) -> str:

@@ -11,9 +11,10 @@ reads as text:
 
 - a parameter whose schema allows only strings (`server.typed_arguments.is_string_parameter`, the parsers' own
   test; DSML writes these with `string="true"`) is its text: one of its `enum`/`const` values, its `pattern`'s
-  language, or any text without the parameter's end tag, `minLength`/`maxLength` characters long (the first
-  `minLength` of them neither whitespace nor `<`, so the newline that GLM's and MiniMax's parsers trim from either
-  end can never shorten it below `minLength`); `format` is an annotation, as jsonschema's default reading has it;
+  language, or free text: any text without the parameter's end tag, or with a `maxLength` any characters but `<`
+  (with which every end tag starts), the first `minLength` of them neither whitespace nor `<`, so the newline that
+  GLM's and MiniMax's parsers trim from either end never shortens it below `minLength`; `format` is an
+  annotation, as jsonschema's default reading has it;
 - any other parameter is the JSON of its schema (the parsers take JSON text of a type the schema allows).
 
 The arguments are written in the schema's `properties` order, each at most once, the required ones always: an
@@ -28,7 +29,7 @@ from __future__ import annotations
 import json
 import re
 
-from hybrid.guided import json_schema_grammar
+from hybrid.guided import SURROGATES, json_schema_grammar
 from hybrid.sampling import GuidedSpec
 from server import harmony
 from server.deepseek_v32 import CALLS_END, INVOKE_END, PARAMETER_END, PARAMETER_START
@@ -100,7 +101,7 @@ def _harmony(name: str, schema, is_named: bool) -> dict:
 
 def _minimax_m2(name: str, schema, is_named: bool) -> dict:
     def parameter(key: str, value_schema) -> dict:
-        return _seq(f'<parameter name="{key}">', text_or_json(value_schema, "</parameter>", is_trimmed=True),
+        return _seq(f'<parameter name="{key}">', text_or_json(value_schema, ("</parameter>", "</invoke>"), is_trimmed=True),
                     "</parameter>\n")
     head = "" if is_named else name + '">\n'
     return _seq(head, arguments(schema, parameter), "</invoke>\n" + MINIMAX_END)
@@ -109,7 +110,7 @@ def _minimax_m2(name: str, schema, is_named: bool) -> dict:
 def _glm47(name: str, schema, is_named: bool) -> dict:
     def parameter(key: str, value_schema) -> dict:
         return _seq(f"<arg_key>{key}</arg_key><arg_value>",
-                    text_or_json(value_schema, "</arg_value>", is_trimmed=True), "</arg_value>")
+                    text_or_json(value_schema, ("</arg_value>", "</tool_call>"), is_trimmed=True), "</arg_value>")
     head = "" if is_named else name
     return _seq(head, arguments(schema, parameter), "</tool_call>")
 
@@ -117,7 +118,7 @@ def _glm47(name: str, schema, is_named: bool) -> dict:
 def _qwen3_coder(name: str, schema, is_named: bool) -> dict:
     def parameter(key: str, value_schema) -> dict:
         # the parser takes one newline either side of a value as the template's
-        return _seq(f"<parameter={key}>\n", text_or_json(value_schema, "</parameter>", is_trimmed=False),
+        return _seq(f"<parameter={key}>\n", text_or_json(value_schema, ("</parameter>",), is_trimmed=False),
                     "\n</parameter>\n")
     head = "" if is_named else name + ">\n"
     return _seq(head, arguments(schema, parameter), "</function>\n</tool_call>")
@@ -127,7 +128,7 @@ def _deepseek_v32(name: str, schema, is_named: bool) -> dict:
     def parameter(key: str, value_schema) -> dict:
         is_text = is_string_parameter(value_schema)
         return _seq(f'{PARAMETER_START} name="{key}" string="{"true" if is_text else "false"}">',
-                    text_or_json(value_schema, PARAMETER_END, is_trimmed=False), PARAMETER_END + "\n")
+                    text_or_json(value_schema, (PARAMETER_END,), is_trimmed=False), PARAMETER_END + "\n")
     head = "" if is_named else name + '">\n'
     return _seq(head, arguments(schema, parameter), INVOKE_END + "\n" + CALLS_END)
 
@@ -165,35 +166,61 @@ def arguments(schema, parameter) -> dict:
     return _seq(*parts)
 
 
-def text_or_json(schema, end_tag: str, is_trimmed: bool) -> dict:
+def text_or_json(schema, end_tags: tuple[str, ...], is_trimmed: bool) -> dict:
     """A parameter's value: its text where the parsers read it as text (`is_string_parameter`), else its JSON.
-    `is_trimmed`: the parser drops one newline from either end of the text."""
-    return text_value(schema, end_tag, is_trimmed) if is_string_parameter(schema) else json_value(schema)
+    `end_tags`: what the text must not hold (the value's end tag first). `is_trimmed`: the parser drops one
+    newline from either end of the text."""
+    return text_value(schema, end_tags, is_trimmed) if is_string_parameter(schema) else json_value(schema)
 
 
-def text_value(schema: dict, end_tag: str, is_trimmed: bool) -> dict:
-    """Text that is a string valid against `schema` (which allows only strings), without `end_tag`."""
+def text_value(schema: dict, end_tags: tuple[str, ...], is_trimmed: bool) -> dict:
+    """Text that is a string valid against `schema` (which allows only strings), without `end_tags`."""
     branches = schema.get("anyOf") or schema.get("oneOf")
     if branches and set(schema) <= TEXT_KEYWORDS | {"anyOf", "oneOf"}:
-        return _or([text_value(branch, end_tag, is_trimmed) for branch in branches])
+        return _or([text_value(branch, end_tags, is_trimmed) for branch in branches])
     if set(schema) - TEXT_KEYWORDS:
         raise ValueError(f"a string parameter's {', '.join(sorted(set(schema) - TEXT_KEYWORDS))} cannot be written "
                          "as its text")
     if "const" in schema or "enum" in schema:
         values = [schema["const"]] if "const" in schema else schema["enum"]
-        texts = [_trim_proof(value, is_trimmed) for value in values if isinstance(value, str) and end_tag not in value]
+        texts = [_trim_proof(value, is_trimmed) for value in values
+                 if isinstance(value, str) and not any(tag in value for tag in end_tags)]
         if not texts:
-            raise ValueError(f"no value of a string parameter's enum can be written before {end_tag}")
+            raise ValueError(f"no value of a string parameter's enum can be written before {end_tags[0]}")
         return _or([_seq(text) for text in texts])
     if "pattern" in schema:
         return {"type": "regex", "pattern": schema["pattern"]}
     min_length, max_length = schema.get("minLength", 0), schema.get("maxLength")
-    rest: dict = {"type": "any_text", "excludes": [end_tag]}
-    if max_length is not None:
-        rest["max_chars"] = max(max_length - min_length, 0)
-    if not min_length:
-        return rest
-    return _seq({"type": "regex", "pattern": f"[^\\s<]{{{min_length}}}"}, rest)
+    # the first minLength characters neither whitespace nor '<': trimming never shortens the text below it
+    head = f"[^\\s<{SURROGATES}]{{{min_length}}}" if min_length else ""
+    if max_length is not None:  # any character but '<', with which every end tag starts
+        return {"type": "regex", "pattern": head + f"[^<{SURROGATES}]{{0,{max(max_length - min_length, 0)}}}"}
+    rest = {"type": "grammar", "grammar": text_without(end_tags)}
+    return _seq({"type": "regex", "pattern": head}, rest) if head else rest
+
+
+def text_without(tags: tuple[str, ...]) -> str:
+    """The EBNF grammar of any text in which none of `tags` occurs: a state per start of a tag that the text may
+    end with (Aho-Corasick), and no transition by a character that would complete a tag."""
+    starts = sorted({tag[:k] for tag in tags for k in range(len(tag))}, key=lambda p: (len(p), p))
+    state = {start: i for i, start in enumerate(starts)}
+    alphabet = sorted(set("".join(tags)))
+    rules = []
+    for start in starts:
+        targets = {}
+        for c in alphabet:
+            text = start + c
+            if not any(text.endswith(tag) for tag in tags):  # to the longest start it now ends with
+                targets[c] = state[next(s for s in reversed(starts) if text.endswith(s))]
+        special = [c for c in alphabet if targets.get(c) != 0]  # the others go back to the empty start
+        options = ['""', f"[^{''.join(_class_char(c) for c in special)}{SURROGATES}] s0"] + [
+            f"{json.dumps(c, ensure_ascii=False)} s{targets[c]}" for c in special if c in targets]
+        rules.append(f"s{state[start]} ::= " + " | ".join(options))
+    return "root ::= s0\n" + "\n".join(rules)
+
+
+def _class_char(c: str) -> str:
+    return "\\" + c if c in "\\]-^" else c
 
 
 def _trim_proof(text: str, is_trimmed: bool) -> str:

@@ -55,6 +55,11 @@ SCHEMAS = {
                        "inner": {"type": "object", "properties": {"flag": {"type": "boolean"}},
                                  "required": ["flag"], "additionalProperties": False}},
         "required": ["ratio", "name", "inner"], "additionalProperties": False},
+    "bounded_strings": {  # xgrammar's own grammar lets these hold raw control characters and surrogates
+        "type": "object",
+        "properties": {"note": {"type": "string", "minLength": 1, "maxLength": 6},
+                       "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 2}},
+        "required": ["note", "tags"], "additionalProperties": False},
 }
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {

@@ -7,19 +7,23 @@ format's published chat template where tests/fixtures has one."""
 from __future__ import annotations
 
 import json
+import random
 from dataclasses import replace
 from pathlib import Path
 
 import jsonschema
 import openai
 import pytest
+import torch
 from server_support import TINY, engine_server
 
+from hybrid.guided import GrammarCache
 from server import harmony
+from server.app import load_tokenizer
 from server.deepseek_v32 import ASSISTANT, BOS, EOS, USER
 from server.demo import demo_model
 from server.tool_grammars import tool_call_spec
-from server.tool_parsers import KimiK2ToolParser, MiniMaxM2ToolParser
+from server.tool_parsers import TOOL_PARSERS, KimiK2ToolParser, MiniMaxM2ToolParser
 
 TEMPLATES = Path(__file__).parent / "fixtures" / "templates"
 MAX_MODEL_LEN = 4096  # the tiny vocabulary makes long prompts
@@ -106,13 +110,10 @@ def check_call(name: str, arguments: str) -> dict:
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_required_tool_choice_is_a_valid_call(client, stream):
-    names = set()
     for content, reason, calls in chat(client, stream, "required"):
         assert len(calls) == 1 and reason == "tool_calls", (content, reason, calls)
         check_call(*calls[0])
-        names.add(calls[0][0])
         assert not content.strip(), content
-    assert names == set(SCHEMAS)  # both tools: the choice is the model's
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
@@ -124,6 +125,50 @@ def test_named_tool_choice_is_a_valid_call(client, stream):
         optional |= set(check_call(*calls[0])) - {"query", "code"}
         assert not content.strip(), content
     assert optional  # the optional arguments are written too
+
+
+def parsed_calls(parser: str, function_name: str | None, text: str) -> tuple[str, list[tuple[str, str]]]:
+    """(content, calls as (name, arguments)) of the server's parser for `parser` reading a forced call's output."""
+    if parser == "openai":
+        harmony_parser = harmony.HarmonyParser(harmony.forced_prefix(function_name))
+        delta, rest = harmony_parser.feed(text), harmony_parser.finish()
+        return delta.content + rest.content, [(c.name, c.arguments) for c in harmony_parser.calls]
+    cls = TOOL_PARSERS[parser]
+    tool_parser = cls(cls.forced_prefix(function_name), TOOLS)
+    delta, rest = tool_parser.feed(text), tool_parser.finish()
+    calls = tool_parser.streamed_calls() if cls.is_streaming else delta.tool_calls + rest.tool_calls
+    return delta.content + rest.content, [(c.name, c.arguments) for c in calls]
+
+
+@pytest.mark.parametrize("function_name", [None, "search"], ids=["required", "named"])
+@pytest.mark.parametrize("parser", sorted(FORMATS))
+def test_random_walks_through_the_grammar_are_valid_calls(model_dir, parser, function_name):
+    """Any path through a forced call's grammar is a valid call: tokens drawn at random among those the mask
+    allows (what a model of random weights does, many more times than the server test can afford)."""
+    import xgrammar
+
+    tokenizer = load_tokenizer(model_dir)
+    grammar = GrammarCache(len(tokenizer), tokenizer).get(tool_call_spec(parser, TOOLS, function_name))
+    rng, names = random.Random(0), set()
+    for _ in range(25):
+        matcher = xgrammar.GrammarMatcher(grammar, override_stop_tokens=[tokenizer.eos_token_id])
+        bitmask = xgrammar.allocate_token_bitmask(1, len(tokenizer))
+        ids = []
+        while len(ids) < 500:
+            matcher.fill_next_token_bitmask(bitmask)
+            logits = torch.zeros(1, len(tokenizer))
+            xgrammar.apply_token_bitmask_inplace(logits, bitmask)
+            token = rng.choice(torch.nonzero(logits[0] == 0).flatten().tolist())
+            if token == tokenizer.eos_token_id:
+                break
+            assert matcher.accept_token(token)
+            ids.append(token)
+        text = tokenizer.decode(ids, skip_special_tokens=False)
+        content, calls = parsed_calls(parser, function_name, text)
+        assert len(calls) == 1 and not content.strip(), (text, content, calls)
+        check_call(*calls[0])
+        names.add(calls[0][0])
+    assert names == ({function_name} if function_name else set(SCHEMAS))  # "required": the walk picks the tool
 
 
 @pytest.mark.parametrize("parser", sorted(FORMATS))
