@@ -101,8 +101,8 @@ def _harmony(name: str, schema, is_named: bool) -> dict:
 
 def _minimax_m2(name: str, schema, is_named: bool) -> dict:
     def parameter(key: str, value_schema) -> dict:
-        return _seq(f'<parameter name="{key}">', text_or_json(value_schema, ("</parameter>", "</invoke>"), is_trimmed=True),
-                    "</parameter>\n")
+        value = text_or_json(value_schema, ("</parameter>", "</invoke>"), is_trimmed=True)
+        return _seq(f'<parameter name="{key}">', value, "</parameter>\n")
     head = "" if is_named else name + '">\n'
     return _seq(head, arguments(schema, parameter), "</invoke>\n" + MINIMAX_END)
 
