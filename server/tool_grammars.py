@@ -64,13 +64,15 @@ def tool_call_spec(parser_name: str, tools: list[dict], function_name: str | Non
     if build is None:
         raise APIError(400, f"tool_choice: forced calls are not built for the {parser_name} tool-call format",
                        param="tool_choice")
-    try:
-        if parser_name != "hermes":  # Hermes writes the name as JSON
-            for name in functions:
+    calls = []
+    for name, schema in functions.items():
+        try:
+            if parser_name != "hermes":  # Hermes writes the name as JSON
                 _checked_name(name)
-        calls = [build(name, schema, function_name is not None) for name, schema in functions.items()]
-    except ValueError as exc:
-        raise APIError(400, f"tools: a forced call in the {parser_name} format: {exc}", param="tools") from None
+            calls.append(build(name, schema, function_name is not None))
+        except ValueError as exc:
+            raise APIError(400, f"tools: function {name!r} cannot be called in the {parser_name} tool-call format "
+                                f"(tool_choice forces a call): {exc}", param="tools") from None
     return GuidedSpec("structural_tag", json.dumps({"type": "structural_tag", "format": _or(calls)},
                                                    ensure_ascii=False))
 
