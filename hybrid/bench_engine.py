@@ -7,6 +7,11 @@ tokens. Per step the wall time is split into the CPU experts' compute (timed on 
 rest; the bound of a decode step is the routed experts' bytes read per step over the memory read bandwidth measured
 in the same run, just before and just after the timed steps (`cpu_experts.bench.ReadBandwidth`), plus the time
 outside the CPU experts that does not overlap them (on a CPU-only machine: all of it).
+
+`--guided-json [SCHEMA]` (decode): the same decode without and with a JSON schema constraining every request
+(`hybrid.guided`; SCHEMA a file or JSON text, by default an array of objects too long to end within the run),
+alternated twice, each run exactly `--tokens` steps: both rates and their ratio, the grammar masks' cost. A
+synthetic model gets a tokenizer of its vocabulary's size for it (`hybrid.synthetic_tokenizer`), saved beside it.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import contextlib
 import json
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -31,14 +36,24 @@ from hybrid.engine_config import EngineConfig
 from hybrid.layers.moe import SparseMoE
 from hybrid.llm import LLM
 from hybrid.routed_experts import RoutedExperts
-from hybrid.sampling import SamplingParams
+from hybrid.sampling import GuidedSpec, SamplingParams
 from hybrid.synthetic import SHAPES, write_synthetic_checkpoint, write_synthetic_converted
+from hybrid.synthetic_tokenizer import write_synthetic_tokenizer
 
 DECODE_PROMPT_TOKENS = 16  # each decode request's prompt, by default
 LONG_CONTEXT_CHUNK = 8192  # prefill chunk of a long decode context (`--context`)
 # Decode samples: a synthetic model decoding greedily tends to repeat one token, so every step would route to the
 # experts of the step before and read them from the last-level cache (300 MB on the H200 host), not from memory.
 DECODE_SAMPLING = SamplingParams(temperature=1.0, seed=0)
+GUIDED_ROUNDS = 2  # --guided-json: decode runs without and with the schema, alternated
+# --guided-json's default: objects of a directory listing, more of them than a run can write (an object is tens of
+# tokens), so that every constrained request runs its --tokens steps
+GUIDED_ITEM = {"type": "object", "properties": {
+    "id": {"type": "integer", "minimum": 0}, "name": {"type": "string", "maxLength": 24},
+    "kind": {"enum": ["file", "directory", "link"]}, "size": {"type": "number"},
+    "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 4},
+    "hidden": {"type": "boolean"}}, "required": ["id", "name", "kind", "size", "tags", "hidden"],
+    "additionalProperties": False}
 
 
 def converted_model(args) -> Path:
@@ -134,17 +149,22 @@ def _time_steps(engine: Engine, timer: CpuExpertsTimer) -> tuple[float, list[flo
     return time.perf_counter() - start, step_seconds
 
 
-def _decode(engine: Engine, prompts: list[list[int]], new_tokens: int, timer: CpuExpertsTimer):
+def _decode(engine: Engine, prompts: list[list[int]], new_tokens: int, timer: CpuExpertsTimer,
+            params: SamplingParams = DECODE_SAMPLING):
     """(wall seconds, each step's seconds, decoded tokens) of the prompts' decode steps."""
-    ids = [engine.add_request(p, DECODE_SAMPLING, max_tokens=new_tokens, ignore_eos=True) for p in prompts]
+    ids = [engine.add_request(p, params, max_tokens=new_tokens, ignore_eos=True) for p in prompts]
     while not all(engine.requests[i].output_ids for i in ids):
         engine.step()  # the prompts (a long context takes several chunks): not part of the decode timing
     # The prompts' step leaves numba's OpenMP threads spinning for up to ~70 ms (`topology.WORKER_SPIN_COUNT`) on
     # the CPUs the decode pool spins on; the steady decode measured here has no prefill step before it.
     time.sleep(0.1)
     seconds, step_seconds = _time_steps(engine, timer)
-    tokens = sum(len(engine.requests.pop(i).output_ids) for i in ids) - len(ids)
-    return seconds, step_seconds, tokens
+    finished = [engine.requests.pop(i) for i in ids]
+    ended = [len(r.output_ids) for r in finished if r.finish_reason != "length"]
+    if ended:  # a grammar that ended: the run is shorter than the one it is compared with
+        raise SystemExit(f"hybrid-bench decode: --guided-json's schema ended a request after {ended[0]} tokens, "
+                         f"before --tokens: give a schema whose output runs longer")
+    return seconds, step_seconds, sum(len(r.output_ids) for r in finished) - len(ids)
 
 
 @contextlib.contextmanager
@@ -260,6 +280,52 @@ def _measure_decode(engine: Engine, llm: LLM, args, timer: CpuExpertsTimer) -> d
                 gpu_only_s=gpu_only_s, graph_steps=graph_steps, cpu_wait_s=cpu_wait_s)
 
 
+def guided_spec(text: str | None, num_tokens: int) -> GuidedSpec | None:
+    """--guided-json's schema (a file or JSON text; "": the default, long enough for `num_tokens`)."""
+    if text is None:
+        return None
+    if not text:
+        return GuidedSpec("json_schema", json.dumps({"type": "array", "minItems": num_tokens + 1,
+                                                     "items": GUIDED_ITEM}))
+    if not text.lstrip().startswith(("{", "true", "false")):
+        text = Path(text).read_text()
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SystemExit(f"hybrid-bench decode: --guided-json is not a JSON schema file or text: {exc}") from None
+    return GuidedSpec("json_schema", text)
+
+
+def attach_tokenizer(engine: Engine, path: Path, is_synthetic: bool) -> None:
+    """The grammars' tokenizer: the model's, or for a synthetic model one of its vocabulary's size, saved beside
+    it. Attached to the grammars alone: an engine with a tokenizer would detokenize every output, a cost the
+    comparison is not about."""
+    from transformers import AutoTokenizer
+
+    if is_synthetic:
+        write_synthetic_tokenizer(path, engine.llm.config.vocab_size)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"hybrid-bench decode: --guided-json needs the model's tokenizer in {path}: {exc}") from None
+    engine.grammars.attach_tokenizer(tokenizer)
+
+
+def measure_guided(engine: Engine, llm: LLM, args, spec: GuidedSpec, timer: CpuExpertsTimer) -> dict:
+    """Decode tokens/s without and with `spec` on every request: the same prompts and steps, alternated
+    `GUIDED_ROUNDS` times (the host's speed drifts)."""
+    prompts = [torch.randint(llm.config.vocab_size, (args.context,)).tolist() for _ in range(args.batch)]
+    guided = replace(DECODE_SAMPLING, guided=spec)
+    seconds, tokens = {"plain": 0.0, "guided": 0.0}, {"plain": 0, "guided": 0}
+    for _ in range(GUIDED_ROUNDS):
+        for kind, params in (("plain", DECODE_SAMPLING), ("guided", guided)):
+            run_seconds, _, run_tokens = _decode(engine, prompts, args.tokens + 1, timer, params)
+            seconds[kind] += run_seconds
+            tokens[kind] += run_tokens
+    plain, constrained = (tokens[k] / seconds[k] for k in ("plain", "guided"))
+    return {"plain_tokens_per_s": plain, "guided_tokens_per_s": constrained, "guided_ratio": constrained / plain}
+
+
 def _graph_serving(engine: Engine) -> tuple[float, float, int]:
     """Totals so far of graph steps' CPU side: seconds waiting for the GPU (worker and pool), and the pool's compute
     seconds and layers (the worker's compute goes through the modules, which `timer` counts)."""
@@ -316,7 +382,7 @@ def streamed_bytes_per_step(llm: LLM, num_tokens: int) -> int | None:
     return sum(a.nbytes for unit in stream.units for a in unit.arrays().values())
 
 
-def _warm_up(engine: Engine, llm: LLM, args) -> None:
+def _warm_up(engine: Engine, llm: LLM, args, spec: GuidedSpec | None = None) -> None:
     """The measured work once, shortened, so that every kernel it reaches is compiled before the timing: numba
     compiles a kernel on its first call (up to seconds), and a step split unlike the warm-up's (prompts over two
     steps beside decodes, say) reaches kernels a warm-up of other sizes does not (one such step took 1.4 s of a
@@ -325,9 +391,9 @@ def _warm_up(engine: Engine, llm: LLM, args) -> None:
     if args.mode == "prefill":
         engine.generate([torch.randint(vocab, (args.tokens,)).tolist()], max_tokens=3, ignore_eos=True)
         return
-    for _ in range(2):
+    for params in (DECODE_SAMPLING, DECODE_SAMPLING) + ((replace(DECODE_SAMPLING, guided=spec),) if spec else ()):
         engine.generate([torch.randint(vocab, (DECODE_PROMPT_TOKENS,)).tolist() for _ in range(args.batch)],
-                        DECODE_SAMPLING, max_tokens=3, ignore_eos=True)
+                        params, max_tokens=3, ignore_eos=True)
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -347,10 +413,14 @@ def run(args) -> dict:
     chunk = args.max_num_batched_tokens or (max(args.tokens, 64) if args.mode == "prefill" else
                                             max(min(context, LONG_CONTEXT_CHUNK), 64))
     engine = Engine(llm, max_num_batched_tokens=min(llm.max_model_len, chunk), max_num_seqs=max(args.batch, 1))
-    _warm_up(engine, llm, args)
+    spec = guided_spec(getattr(args, "guided_json", None), args.tokens)
+    if spec is not None:
+        attach_tokenizer(engine, path, is_synthetic=not args.model)
+    _warm_up(engine, llm, args, spec)
     bandwidth = _read_bandwidth(engine)
     read_before = bandwidth()
     m = (_measure_prefill if args.mode == "prefill" else _measure_decode)(engine, llm, args, timer)
+    guided = measure_guided(engine, llm, args, spec, timer) if spec is not None else {}
     read_bw = (read_before + bandwidth()) / 2  # the host's rate drifts: passes on both sides of the timing
     is_profiled = args.mode == "decode" and args.profile and config.is_cuda
     profile_rows = profile_decode(engine, llm, args) if is_profiled else None
@@ -380,7 +450,7 @@ def run(args) -> dict:
             "bound_ms": bound_s * 1e3, "of_bound": bound_s / step_s, "defer_experts": config.defer_experts,
             "deferral_kl": kl, "streamed_gb": None if streamed_bytes is None else streamed_bytes / 1e9,
             "link_gb_s": None if link_bw is None else link_bw / 1e9, "profile": profile_rows,
-            "num_layers": llm.config.num_layers}
+            "num_layers": llm.config.num_layers, **guided}
 
 
 def main(argv: list[str], mode: str) -> int:
@@ -402,6 +472,9 @@ def main(argv: list[str], mode: str) -> int:
         parser.add_argument("--context", type=int, default=DECODE_PROMPT_TOKENS,
                             help="each request's prompt tokens before the timed decode steps (long contexts are "
                                  "prefilled in chunks of --max-num-batched-tokens)")
+        parser.add_argument("--guided-json", nargs="?", const="", default=None, metavar="SCHEMA",
+                            help="also decode with a JSON schema on every request (a file or JSON text; alone: an "
+                                 "array of objects longer than the run), and without, alternated: both rates")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--json", action="store_true")
     # --expert-dtype is the synthetic conversion's here (the benchmark runs converted models)
@@ -432,6 +505,9 @@ def main(argv: list[str], mode: str) -> int:
               f"repeated back to back")
     if row["profile"] is not None:
         print_profile(row["profile"], row["num_layers"])
+    if "guided_ratio" in row:
+        print(f"JSON schema on every request: {row['guided_tokens_per_s']:.1f} tokens/s against "
+              f"{row['plain_tokens_per_s']:.1f} without, {row['guided_ratio']:.3f} of it")
     if row["deferral_kl"] is not None:
         print(f"defer_experts {row['defer_experts']}: KL(exact || deferred) {row['deferral_kl']:.2e} nats/token")
     return 0

@@ -27,6 +27,12 @@ if TYPE_CHECKING:
     import xgrammar
 
 MAX_CACHED_GRAMMARS = 256
+# xgrammar's JSON string characters (as it prints them): a length-bounded string's take raw control characters,
+# which JSON forbids (`json.loads` refuses them), and both take UTF-16 surrogates (U+D800-DFFF), which UTF-8 forbids
+# (decoding makes each byte a U+FFFD): the characters JSON and UTF-8 allow instead
+SURROGATES = r"\uD800-\uDFFF"
+STRING_CHARACTERS = {r'[^\"\\\r\n]': r'[^\0-\x1f\"\\' + SURROGATES + "]",
+                     r'[^\0-\x1f\"\\\r\n]': r'[^\0-\x1f\"\\' + SURROGATES + "]"}
 NEEDS_TOKENIZER = "guided decoding needs a tokenizer: build the engine with Engine(llm, tokenizer=...)"
 
 
@@ -87,9 +93,9 @@ class GrammarCache:
 def _compile(compiler: xgrammar.GrammarCompiler, spec: GuidedSpec) -> xgrammar.CompiledGrammar:
     try:
         if spec.kind == "json_object":  # any object, without the builtin grammar's unbounded whitespace
-            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            return compiler.compile_grammar(json_schema_grammar('{"type": "object"}'))
         if spec.kind == "json_schema":
-            return compiler.compile_json_schema(spec.spec, any_whitespace=False)
+            return compiler.compile_grammar(json_schema_grammar(spec.spec))
         if spec.kind == "regex":
             return compiler.compile_regex(spec.spec)
         if spec.kind == "grammar":
@@ -100,14 +106,30 @@ def _compile(compiler: xgrammar.GrammarCompiler, spec: GuidedSpec) -> xgrammar.C
     except ValueError:
         raise
     except Exception as exc:  # xgrammar raises RuntimeError (and its own errors) for invalid specs
-        raise ValueError(f"invalid {spec.kind}: {_reason(exc)}") from None
+        raise ValueError(f"invalid {spec.kind}: {error_reason(exc)}") from None
 
 
-def _reason(exc: Exception) -> str:
+def error_reason(exc: Exception) -> str:
     """xgrammar's message without its timestamp, C++ source location and failed-check preamble."""
     text = exc.args[0] if exc.args and isinstance(exc.args[0], str) else str(exc)
     text = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", text.strip().splitlines()[0] if text.strip() else repr(exc))
     return re.sub(r"^Check failed: \(.*?\) is false:\s*", "", text)
+
+
+def json_schema_grammar(schema: str) -> str:
+    """The EBNF grammar of compact JSON valid against `schema` (JSON text): no optional whitespace, which a model
+    could otherwise pad its output with up to max_tokens; its strings' characters those JSON and UTF-8 allow
+    (`STRING_CHARACTERS`)."""
+    import xgrammar
+
+    try:
+        grammar = xgrammar.Grammar.from_json_schema(schema, any_whitespace=False)
+    except Exception as exc:  # xgrammar raises RuntimeError (and its own errors) for invalid schemas
+        raise ValueError(f"invalid json_schema: {error_reason(exc)}") from None
+    text = str(grammar)
+    for lenient, strict in STRING_CHARACTERS.items():
+        text = text.replace(lenient, strict)
+    return text
 
 
 def choice_grammar(choices: list) -> str:
@@ -115,18 +137,6 @@ def choice_grammar(choices: list) -> str:
     if not choices or not all(isinstance(c, str) for c in choices):
         raise ValueError("guided_choice must be a non-empty list of strings")
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
-
-
-def json_then_text_grammar(schema: dict | bool, suffix: str) -> str:
-    """An EBNF grammar of compact JSON valid against `schema`, then `suffix` (a tool call and its end tag): the
-    JSON without optional whitespace, which a model could otherwise pad its output with up to max_tokens."""
-    import xgrammar
-
-    try:
-        json_grammar = xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
-    except Exception as exc:
-        raise ValueError(f"invalid json_schema: {_reason(exc)}") from None
-    return str(xgrammar.Grammar.concat(json_grammar, xgrammar.Grammar.from_ebnf(f"root ::= {json.dumps(suffix)}")))
 
 
 def _compile_structural_tag(compiler: xgrammar.GrammarCompiler, tag: dict) -> xgrammar.CompiledGrammar:

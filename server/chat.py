@@ -4,7 +4,7 @@ reasoning parser (`<think>` -> reasoning_content) and then the tool-call parser 
 
 `tool_choice` "none" leaves the tools out of the prompt; "auto" lets the model choose; "required" and a named
 function append the text that opens a call (`forced_prefix`) to the prompt, so the model continues a call,
-constrained to a valid call of the tools where `server.structured` covers the parser's format (Hermes); a think
+constrained to a valid call of the tools in the parser's format (`server.tool_grammars`; harmony's too); a think
 block the prompt opened is closed first. `response_format` and vLLM's `guided_*` fields constrain the output too.
 `chat_template_kwargs` go to the template as they are (`{"thinking": false}` for Kimi-K2.5,
 `{"enable_thinking": false}` for GLM and Qwen3), and the reasoning parser starts where the rendered prompt leaves
@@ -49,8 +49,9 @@ from server.serving import (
     token_text,
     usage,
 )
-from server.structured import compile_spec, request_spec, tool_call_spec
+from server.structured import compile_spec, request_spec
 from server.tool_calls import CallDelta, ToolCall, ToolCallParser, ToolDelta
+from server.tool_grammars import tool_call_spec
 
 
 class ChatChoice:
@@ -218,10 +219,12 @@ def prepare_chat(state: ServerState, request: ChatCompletionRequest, route: str 
     require_tokenizer(state, route)
     spec, param = request_spec(request)
     prompt_text, parser = render_prompt(state, request)
-    if _forced_prefix(parser, request):
+    is_harmony_call = state.model.is_harmony and _harmony_forced_prefix(request)
+    if is_harmony_call or _forced_prefix(parser, request):
         name = request.tool_choice.function.name if isinstance(request.tool_choice, NamedToolChoice) else None
         tools = [tool.model_dump(exclude_none=True) for tool in request.tools]
-        spec, param = tool_call_spec(parser.name, tools, name) or spec, "tools"
+        spec = tool_call_spec(harmony.TOOL_PARSER_NAME if is_harmony_call else parser.name, tools, name)
+        param = "tools"
     compile_spec(state, spec, param)
     check_prompt_bytes(prompt_text, state.model.max_token_bytes, state.model.max_model_len, "messages")
     ids = encode(state.model.tokenizer, prompt_text, "messages", add_special_tokens=False)

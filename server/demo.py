@@ -92,6 +92,7 @@ class DemoSize:
     moe_intermediate_size: int = 64
     max_position_embeddings: int = 4096
     seed: int = 0
+    special_tags: tuple[str, ...] = ()  # more special tokens (tests: other tool-call formats' tags)
 
 
 def demo_cache_dir() -> Path:
@@ -172,7 +173,7 @@ def build_checkpoint(path: Path, size: DemoSize) -> Path:
     import transformers as T
 
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(size.vocab_size)
+    tokenizer = build_tokenizer(size.vocab_size, size.special_tags)
     tokenizer.save_pretrained(path)
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
     config = T.Qwen3MoeConfig(
@@ -203,8 +204,9 @@ def build_checkpoint(path: Path, size: DemoSize) -> Path:
     return path
 
 
-def build_tokenizer(vocab_size: int):
-    """A byte-level BPE tokenizer trained on `CORPUS`, with ChatML special tokens and the parser tags."""
+def build_tokenizer(vocab_size: int, special_tags: tuple[str, ...] = ()):
+    """A byte-level BPE tokenizer trained on `CORPUS`, with ChatML special tokens, the parser tags and
+    `special_tags` (special tokens, as other models' tokenizers have their tool-call tags)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -215,6 +217,7 @@ def build_tokenizer(vocab_size: int):
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator(CORPUS.splitlines(), trainer)
     tokenizer.add_tokens([AddedToken(tag, special=False, normalized=False) for tag in TEXT_TAGS])
+    tokenizer.add_tokens([AddedToken(tag, special=True, normalized=False) for tag in special_tags])
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, bos_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>",
         unk_token=None, chat_template=CHAT_TEMPLATE, model_max_length=DemoSize.max_position_embeddings,

@@ -1,24 +1,17 @@
 """Structured outputs: a request's grammar (`hybrid.sampling.GuidedSpec`) from OpenAI's `response_format`
 (json_object, json_schema, structural_tag), vLLM's `guided_json` / `guided_regex` / `guided_choice` /
 `guided_grammar`, or a forced tool call, compiled in the prompt threads so that an invalid one is a 400 naming its
-field (the engine finds it in its grammar cache).
-
-Forced tool calls (`tool_choice` "required" or a named function) are constrained for the Hermes format
-(`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`: the demo model's, Qwen's): the output after the
-forced prefix is a call of one of the tools with schema-valid arguments, then the end tag. The other parsers' calls
-are left to the forced prefix alone.
+field (the engine finds it in its grammar cache). A forced tool call's grammar is `server.tool_grammars`'.
 """
 
 from __future__ import annotations
 
 import json
 
-from hybrid.guided import json_then_text_grammar
 from hybrid.sampling import GuidedSpec
 from server.errors import APIError
 
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
-HERMES_CALL_END = "\n</tool_call>"
 
 
 def request_spec(request) -> tuple[GuidedSpec | None, str | None]:
@@ -48,27 +41,6 @@ def _response_format_spec(response_format: dict | None) -> tuple[GuidedSpec | No
                            param="response_format.json_schema.schema")
         return GuidedSpec("json_schema", json.dumps(schema)), "response_format.json_schema.schema"
     return GuidedSpec("structural_tag", json.dumps(response_format)), "response_format"
-
-
-def tool_call_spec(parser_name: str | None, tools: list[dict], function_name: str | None) -> GuidedSpec | None:
-    """The grammar of a forced call's output after its prefix (`ToolCallParser.forced_prefix`), or None for a
-    format not covered. `function_name` None: any of `tools`."""
-    if parser_name != "hermes":
-        return None
-    parameters = {tool["function"]["name"]: tool["function"].get("parameters") or {"type": "object"}
-                  for tool in tools}
-    if function_name is not None:  # the prefix ends at '"arguments": ': the arguments, then the call's end
-        schema, suffix = parameters[function_name], "}" + HERMES_CALL_END
-    else:
-        calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": schema},
-                  "required": ["name", "arguments"], "additionalProperties": False}
-                 for name, schema in parameters.items()]
-        schema, suffix = calls[0] if len(calls) == 1 else {"anyOf": calls}, HERMES_CALL_END
-    try:
-        return GuidedSpec("grammar", json_then_text_grammar(schema, suffix))
-    except ValueError as exc:
-        raise APIError(400, f"tools: a function's parameters are not a usable JSON schema: {exc}",
-                       param="tools") from None
 
 
 def compile_spec(state, spec: GuidedSpec | None, param: str | None) -> None:

@@ -201,3 +201,52 @@ def test_synthetic_qwen3_5_without_a_source(tmp_path, monkeypatch):
     logits = llm.prefill_logits([5, 6, 7])
     assert logits.shape == (3, 512) and torch.isfinite(logits).all()
     llm.close()
+
+
+def test_synthetic_tokenizer_is_a_deterministic_byte_level_bpe():
+    """The tokenizer a synthetic model gets for guided decoding: the vocabulary's size less the padding, the same
+    for the same seed, any text round trips, and xgrammar reads it as byte-level and constrains with it."""
+    import xgrammar
+
+    from hybrid.guided import GrammarCache
+    from hybrid.sampling import GuidedSpec
+    from hybrid.synthetic_tokenizer import PADDED_TOKENS, build_synthetic_tokenizer
+
+    tokenizer = build_synthetic_tokenizer(2048)
+    assert tokenizer.get_vocab() == build_synthetic_tokenizer(2048).get_vocab()
+    assert tokenizer.get_vocab() != build_synthetic_tokenizer(2048, seed=1).get_vocab()
+    assert len(tokenizer) == 2048 - PADDED_TOKENS and tokenizer.eos_token_id == len(tokenizer) - 1
+    assert max(len(token) for token in tokenizer.get_vocab()) > 4  # merged pieces, not bytes alone
+    text = '{"name": "Grüße\n\t", "n": [1, 2.5e3]} ✓ 東京'
+    ids = tokenizer.encode(text)
+    assert tokenizer.decode(ids) == text and len(ids) < len(text.encode())
+    info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=2048)
+    assert info.vocab_type == xgrammar.VocabType.BYTE_LEVEL
+    matcher = xgrammar.GrammarMatcher(GrammarCache(2048, tokenizer).get(GuidedSpec("json_schema", json.dumps(
+        {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "array"}}}))))
+    assert all(matcher.accept_token(i) for i in tokenizer.encode('{"name": "Grüße", "n": [1, 2.5e3]}'))
+    assert not matcher.accept_token(tokenizer.encode(" x")[0])
+
+
+def test_decode_benchmark_with_a_json_schema(tmp_path, capsys):
+    """`hybrid-bench decode --guided-json`: both rates on the same steps; a schema that ends before --tokens is
+    refused, its run being shorter than the one it is set against."""
+    from checkpoints import SEEDS, VARIANTS, make_checkpoint
+
+    from convert.cli import main as convert
+    from hybrid.synthetic_tokenizer import write_synthetic_tokenizer
+
+    config = VARIANTS["qwen3_moe"]()
+    config.vocab_size = 640  # room for a byte-level vocabulary
+    make_checkpoint(config, tmp_path / "src", seed=SEEDS["qwen3_moe"])
+    assert convert([str(tmp_path / "src"), str(tmp_path / "dst")]) == 0
+    write_synthetic_tokenizer(tmp_path / "dst", config.vocab_size)
+    capsys.readouterr()
+    decode = ["decode", "--model", str(tmp_path / "dst"), "--device", "cpu", "--dtype", "float32", "--tokens", "6",
+              "--batch", "2", "--json", "--guided-json"]
+    assert main(decode) == 0
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert row["plain_tokens_per_s"] > 0 and row["guided_tokens_per_s"] > 0
+    assert row["guided_ratio"] == pytest.approx(row["guided_tokens_per_s"] / row["plain_tokens_per_s"])
+    with pytest.raises(SystemExit, match="ended a request after"):
+        main([*decode, '{"enum": ["a", "b"]}'])
