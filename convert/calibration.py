@@ -54,6 +54,7 @@ class Calibrator:
         self.lengths = [len(chunk) for chunk in ids.split(SEQUENCE_LEN)]
         embed = plan.read("model.embed_tokens.weight").float()
         self.hidden = nn.functional.embedding(ids, embed)  # [T, H]
+        self.residual = None  # the residual stream the layers pass on (its add is in the next layer's norm)
         self.next_layer = 0
         self._hessians: dict[str, torch.Tensor] = {}
 
@@ -96,7 +97,7 @@ class Calibrator:
                 if isinstance(module, nn.Linear) and f"{module_name}.weight" in self.targets:
                     hooks.append(module.register_forward_hook(_accumulate(sums, f"{module_name}.weight")))
             try:
-                self.hidden = layer(self.hidden, batch)
+                self.hidden, self.residual = layer(self.hidden, self.residual, batch)
             finally:
                 for hook in hooks:
                     hook.remove()

@@ -29,6 +29,9 @@ MIN_BLOCK_E, MAX_BLOCK_E = 16, 512
 MAX_TOP_K = 16  # BLOCK_K: the widest top-k a model uses is 10 (Qwen3-Next)
 GROUP_SCORES = {"none": 0, "max": 1, "top2_sum": 2}
 MAX_FUSED_TOKENS = 16  # router_topk (GEMV and top-k in one launch) serves decode-sized steps up to here
+# router_topk's smallest BLOCK_E: at 16 (fp16) its select spilled on sm_90 (stack 80 B); 16 experts or fewer are
+# selected from 32 lanes, the rest -inf
+MIN_FUSED_BLOCK_E = 32
 # router_topk: BLOCK_EC experts per program, BLOCK_H columns a step: 2 x 2048 weights (32 a thread over 4 warps), so
 # a Qwen3 router (128 x 2048) is 64 programs of one load each (the column loop is a while loop, which Triton does
 # not pipeline: few, wide steps), DeepSeek-V3's (256 x 7168) 128 programs of four.
@@ -273,7 +276,7 @@ def router_topk(
         raise ValueError(f"weight must be contiguous [E, {hidden_size}] {x.dtype}, got {tuple(weight.shape)} "
                          f"{weight.dtype}")
     num_experts = weight.shape[0]
-    block_e = max(MIN_BLOCK_E, triton.next_power_of_2(num_experts))
+    block_e = max(MIN_FUSED_BLOCK_E, triton.next_power_of_2(num_experts))
     if block_e > MAX_BLOCK_E or not 1 <= top_k <= min(MAX_TOP_K, num_experts):
         raise ValueError(f"{num_experts} experts (at most {MAX_BLOCK_E}) with top_k {top_k} (1..{MAX_TOP_K})")
     if counter.shape != (1,) or counter.dtype != torch.int32 or counter.device != x.device:
@@ -326,6 +329,8 @@ def gate_cases() -> list[GateCase]:
                     label=f"topk_routing {dtype} BLOCK_E={block_e}",
                     num_warps=num_warps,
                 ))
+                if block_e < MIN_FUSED_BLOCK_E:
+                    continue
                 config = select(ROUTER_CONFIGS, capability)
                 cases.append(GateCase(
                     kernel=router_topk_kernel,

@@ -19,6 +19,7 @@ ROUTERS = {
     "deepseek_v3": (256, 8, 8, 4, "sigmoid", "top2_sum", True, 2.5, True),
     "odd": (60, 4, 1, 1, "softmax", "none", False, 1.0, False),
     "glm_max_groups": (64, 6, 4, 2, "sigmoid", "max", True, 1.5, True),
+    "mixtral": (8, 2, 1, 1, "softmax", "none", True, 1.0, False),  # fewer experts than the smallest BLOCK_E
 }
 
 
@@ -31,6 +32,7 @@ CASES = [  # (router, tokens, dtype, is_float32_logits): each router once, the o
     ("qwen3", 1, torch.bfloat16, False), ("deepseek_v3", 1, torch.bfloat16, True),
     ("deepseek_v3", 2, torch.float32, True), ("odd", routing.MAX_FUSED_TOKENS, torch.bfloat16, False),
     ("odd", 2, torch.float32, True), ("glm_max_groups", 3, torch.bfloat16, False),
+    ("mixtral", 3, torch.float16, False),
 ]
 
 
