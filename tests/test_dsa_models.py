@@ -252,12 +252,20 @@ def test_prefix_cache_hit_gives_solo_tokens(dsa):
 
 
 def test_preemption_recomputes_the_same_tokens(dsa):
+    """The engine's scores differ from the solo run's by float32 rounding (chunked prefill and batched decode sum
+    in other orders: up to 2.1e-6 of the row's largest |score| measured on v32), which flips a selection wherever
+    the k-th and (k+1)-th scores are closer than that. Prompt seed 2 had such a row (v32, layer 1, position 110:
+    a gap of 1.8e-7 of max |score|) and gave other tokens from there on, before any preemption. The seeds are
+    ones where every selection of the solo runs has a gap above 1e-5 of max |score|: each score would have to
+    move 5e-6, over twice the rounding seen."""
     _, path, _, _ = dsa
     # 16 pages of 16 tokens: two 100-token prompts start (7 pages each) and outgrow them (9 each at 130 tokens)
     llm = LLM(path, dtype="float32", expert_placement="device", max_model_len=256, max_num_seqs=3,
               kv_cache_tokens=256)
-    prompts = [prompt(100, seed=s) for s in (1, 2, 3)]
-    solo = _solo(llm, prompts, 30)
+    prompts = [prompt(100, seed=s) for s in (1, 4, 3)]
+    with selection_margins(llm) as margins:
+        solo = _solo(llm, prompts, 30)
+    assert min(margins) > 1e-5, "a top-k near-tie in the solo runs; pick another seed"
     engine = Engine(llm, max_num_batched_tokens=48, max_num_seqs=3)
     preempted = []
     preempt = engine.scheduler.preempt
