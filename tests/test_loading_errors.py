@@ -25,7 +25,8 @@ transformers.logging.set_verbosity_error()
 REGISTERED = {"Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "DeepseekV3ForCausalLM",
               "DeepseekV2ForCausalLM", "Glm4MoeForCausalLM", "KimiK25ForConditionalGeneration", "MiniMaxM2ForCausalLM",
               "Glm4MoeLiteForCausalLM", "GptOssForCausalLM", "MiMoV2FlashForCausalLM", "Qwen3NextForCausalLM",
-              "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"}
+              "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration", "DeepseekV32ForCausalLM",
+              "GlmMoeDsaForCausalLM"}
 
 
 @pytest.fixture(scope="module")
