@@ -85,6 +85,11 @@ class EngineConfig:
         "JSON file of per-layer routing counts that picks the GPU-resident experts (from --record-routing)"))
     record_routing: str | None = field(default=None, metadata=_help(
         "count the experts each MoE layer routes to and write them to this JSON file at shutdown"))
+    # one process per rank, each holding a slice of the dense model (`hybrid.parallel`); rank 0 starts the others
+    # and keeps the scheduler, engine and server; on CUDA rank r runs on cuda:r
+    tensor_parallel_size: int = field(default=1, metadata={
+        "help": "processes (GPUs on CUDA) the model is split over, attention by heads and MLPs by columns and rows",
+        "aliases": ("--tp",)})
     defer_experts: int = field(default=0, metadata=_help(
         "add each token's N lowest-weight routed experts one layer later, overlapping the CPU with the next "
         "layer's attention (0: exact model semantics)"))
@@ -92,7 +97,7 @@ class EngineConfig:
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype '{self.dtype}' is not supported; supported: {', '.join(DTYPES)}")
-        for name in ("block_size", "max_graph_batch", "max_num_seqs"):
+        for name in ("block_size", "max_graph_batch", "max_num_seqs", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.state_snapshots is not None and self.state_snapshots < 0:

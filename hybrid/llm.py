@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from cpu_experts.topology import allowed_cpus, discover_nodes, use_kernel_threads
+from hybrid import parallel
 from hybrid.block_manager import CacheGroupBlocks, OutOfBlocks, blocks_needed
 from hybrid.cache_groups import derive_cache_groups
 from hybrid.config import resolve_max_model_len
@@ -29,10 +30,12 @@ from hybrid.loader import load_weights
 from hybrid.model_runner import ModelRunner
 from hybrid.models import load_model_config
 from hybrid.models.base import MoECausalLM
+from hybrid.parallel import check_tensor_parallel
 from hybrid.placement import ExpertPlacement, RoutingRecorder, RoutingStats, activation_bytes, auto_gpu_experts
 from hybrid.routed_experts import RoutedExperts, cpu_experts_factory
 from hybrid.sampling import NON_FINITE_LOGITS, SamplingParams
 from hybrid.streaming import attach_streamed, min_streamed_tokens, reserve_bytes
+from hybrid.tp_workers import Workers, rank_device
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +64,22 @@ class LLM:
         whole `config` (what the CLIs build)."""
         if config is not None and options:
             raise TypeError("pass either an EngineConfig or its fields as keywords, not both")
-        self.engine_config = cfg = config or EngineConfig(**options)
+        self.engine_config = config or EngineConfig(**options)
         cls, self.config = load_model_config(path)
+        self.workers: Workers | None = None  # rank 0 of a tensor-parallel LLM: the other ranks' processes
+        self._num_torch_threads = torch.get_num_threads()
+        if self.engine_config.tensor_parallel_size > 1:
+            self.workers = self._join_ranks(path)
+        try:
+            self._build(path, cls)
+            if self.workers is not None:
+                self.workers.wait_ready()
+        except BaseException:
+            self._leave_ranks()
+            raise
+
+    def _build(self, path: str | Path, cls: type[MoECausalLM]) -> None:
+        cfg = self.engine_config
         self.max_model_len = resolve_max_model_len(cfg.max_model_len, self.config)
         block_size = cfg.block_size
         num_blocks = blocks_needed(max(cfg.kv_cache_tokens or 4 * self.max_model_len, self.max_model_len), block_size)
@@ -91,6 +108,8 @@ class LLM:
                               f"({self.config.moe.top_k})")
         backends = Backends.for_device(cfg.device, self.config, block_size, cfg.torch_dtype, cfg.kernels,
                                        make_experts, cfg.defer_experts)
+        if cfg.tensor_parallel_size > 1:  # quantized dense weights are dequantized at load, then split
+            backends = replace(backends, keep_quantized=False)
         self.backends = backends
         self.model = build_model(cls, self.config, cfg, backends)
         partitions = cfg.numa_partitions or len(discover_nodes())
@@ -135,6 +154,27 @@ class LLM:
         self.num_forward_tokens = 0
         self.runner = ModelRunner(self)  # eager: prefill_logits, and the engines that capture no graphs
 
+    def _join_ranks(self, path: str | Path) -> Workers | None:
+        """Tensor parallel: rank 0 (no process group yet) checks the setting, starts the other ranks and joins them
+        (`hybrid.tp_workers`), which returns their handle; a rank it started has joined already. Either way the
+        engine config takes this rank's device, and on the CPU the ranks share the cores."""
+        cfg = self.engine_config
+        workers = None
+        if not parallel.is_initialized():
+            check_tensor_parallel(self.config, cfg, read_manifest(Path(path)) is not None)
+            workers = Workers(path, cfg)
+        tp = parallel.current()
+        self.engine_config = replace(cfg, device=rank_device(cfg.device, tp.rank))
+        if not cfg.is_cuda:
+            torch.set_num_threads(max(1, len(allowed_cpus()) // tp.size))
+        return workers
+
+    def _leave_ranks(self) -> None:
+        """Rank 0: the workers stopped and joined, the process groups left, torch's threads as they were."""
+        if self.workers is not None:
+            self.workers.stop()
+            torch.set_num_threads(self._num_torch_threads)
+
     @property
     def num_state_slots(self) -> int:
         """Recurrent-state slots of a model with recurrent layers (one per request the engine runs), else 0."""
@@ -163,8 +203,8 @@ class LLM:
         return self.routing_recorder
 
     def close(self) -> None:
-        """Writes the routing statistics (`record_routing=FILE`), stops the CPU experts' executor and unpins the
-        streamed experts' weights."""
+        """Writes the routing statistics (`record_routing=FILE`), stops the CPU experts' executor, unpins the
+        streamed experts' weights and, tensor parallel, stops the other ranks."""
         if self.routing_recorder is not None and self.engine_config.record_routing:
             self.routing_recorder.stats().write(self.engine_config.record_routing)
         if self._owns_engine:
@@ -173,6 +213,7 @@ class LLM:
             self.cpu_executor.close()
         if self.expert_stream is not None:
             self.expert_stream.unpin()
+        self._leave_ranks()
 
     def _resolve_gpu_experts(self, cls: type[MoECausalLM], num_blocks: int) -> int:
         """`gpu_experts` as a count: "auto" fills the device memory left after the dense weights, the KV cache and

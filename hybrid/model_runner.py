@@ -27,6 +27,12 @@ class ModelRunner:
         self.device = llm.engine_config.device
         self.block_size = llm.engine_config.block_size
         self.graphs = None
+        # tensor parallel, rank 0: every step goes to the other ranks from here (`hybrid.tp_workers`); a graph
+        # runner is announced before it captures, so that every rank captures the same graphs with it
+        self.workers = getattr(llm, "workers", None)
+        self.runner_id = None  # the eager runner: each rank's own `LLM.runner`
+        if max_graph_batch and self.workers is not None:
+            self.runner_id = self.workers.new_runner(max_graph_batch)
         if max_graph_batch:
             from hybrid.cuda_graphs import CudaGraphRunner
 
@@ -73,7 +79,15 @@ class ModelRunner:
                 logit_rows: list[int] | None = None) -> torch.Tensor:
         """One forward pass over the sequences' new tokens (`input_ids`, concatenated) -> float32 logits
         [len(logit_rows), V] (every row where `logit_rows` is None). A decode step that samples every sequence
-        replays a graph where one is captured for its batch."""
+        replays a graph where one is captured for its batch. Tensor parallel: the same step on every rank, sent
+        from rank 0 here (the ranks decide graph or eager alike, from the same inputs)."""
+        if self.workers is None:
+            return self._execute(seqs, input_ids, logit_rows)
+        self.workers.send(("execute", self.runner_id, list(seqs), list(input_ids), logit_rows))
+        return self.workers.guard(lambda: self._execute(seqs, input_ids, logit_rows))
+
+    def _execute(self, seqs: Sequence[SequenceSlice], input_ids: list[int],
+                 logit_rows: list[int] | None) -> torch.Tensor:
         self.llm.num_forward_tokens += len(input_ids)
         graphs = self.graphs
         inputs = self.prepare(seqs)
@@ -121,3 +135,5 @@ class ModelRunner:
     def close(self) -> None:
         if self.graphs is not None:
             self.graphs.close()
+        if self.runner_id is not None and not self.workers.is_stopped:
+            self.workers.send(("close", self.runner_id))

@@ -67,12 +67,13 @@ class RoutedExperts(TritonExperts):
     def checkpoint_targets(self):
         """Slot s holds expert gpu_expert_ids[s]: named by its global id, as checkpoints and expert files name it."""
         if self.has_fused_storage:
+            self._check_unsplit_storage()
             yield from fused_expert_targets(self, self.gpu_expert_ids, self.num_experts)
             return
         for name in self.proj_names:
             stacked = getattr(self, name)
             for slot, expert in enumerate(self.gpu_expert_ids):
-                yield f"{expert}.{name}.weight", stacked.data[slot]
+                yield f"{expert}.{name}.weight", self.expert_target(name, stacked.data[slot])
 
     def fuse_gate_up(self) -> None:
         if self.is_fused and self.gpu_expert_ids:

@@ -12,11 +12,15 @@ write then run as one kernel too (`gqa_prepare`, `gpu_layers.qk_rope_cache`)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybrid import parallel
 from hybrid.config import AttentionConfig
+from hybrid.errors import ConfigError
 from hybrid.forward_batch import ForwardBatch
 from hybrid.layers.norm import RMSNorm
 from hybrid.layers.rotary import RotaryEmbedding
@@ -26,6 +30,17 @@ class GQAAttention(nn.Module):
     def __init__(self, cfg: AttentionConfig, hidden_size: int, eps: float, rotary: RotaryEmbedding, backend,
                  norm_cls: type[RMSNorm] = RMSNorm):
         super().__init__()
+        # tensor parallel: this rank's heads (KV heads replicated where there are fewer than ranks), `tp_shards`
+        self.tp = tp = parallel.current()
+        self.full_cfg = cfg
+        if tp.size > 1:
+            if cfg.qk_norm == "whole":
+                raise ConfigError("qk_norm over the whole projection (MiniMax-M2) needs a distributed RMS: run it "
+                                  "with tensor_parallel_size 1")
+            parallel.check_divisible("num_attention_heads", cfg.num_heads, tp)
+            parallel.check_kv_heads(cfg.num_kv_heads, tp)
+            cfg = replace(cfg, num_heads=cfg.num_heads // tp.size,
+                          num_kv_heads=parallel.local_heads(cfg.num_kv_heads, tp))
         self.cfg = cfg
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         q_out = 2 * q_size if cfg.has_output_gate else q_size
@@ -45,6 +60,19 @@ class GQAAttention(nn.Module):
         self.cache_group = 0  # which cache group's pages hold this layer's KV (bound with the cache)
         self.qkv_weight: torch.Tensor | None = None  # [q + k + v, H] once fused (`fuse_qkv`)
         self.qkv_bias: torch.Tensor | None = None
+
+    def tp_shards(self) -> dict[str, parallel.Shard]:
+        """q by heads, k and v by KV heads (replicated below one per rank), o_proj row-parallel, its bias once."""
+        cfg, kv = self.cfg, parallel.heads(self.full_cfg.num_kv_heads)
+        shards = {"q_proj.weight": parallel.COLUMN, "k_proj.weight": kv, "v_proj.weight": kv,
+                  "o_proj.weight": parallel.ROW}
+        if cfg.has_qkv_bias:
+            shards |= {"q_proj.bias": parallel.COLUMN, "k_proj.bias": kv, "v_proj.bias": kv}
+        if cfg.has_o_bias:
+            shards["o_proj.bias"] = parallel.ONCE
+        if cfg.has_sinks:
+            shards["sinks"] = parallel.COLUMN
+        return shards
 
     def fuse_qkv(self) -> None:
         projs = (self.q_proj, self.k_proj, self.v_proj)
@@ -116,4 +144,4 @@ class GQAAttention(nn.Module):
         out = out.reshape(num_tokens, cfg.num_heads * cfg.v_head_dim)
         if gate is not None:
             out = out * torch.sigmoid(gate)
-        return self.o_proj(out)
+        return parallel.all_reduce(self.o_proj(out), self.tp)  # the heads' partial sums: one all-reduce

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybrid import parallel
 from hybrid.config import AttentionConfig, IndexerConfig
 from hybrid.forward_batch import ForwardBatch
 from hybrid.layers.norm import RMSNorm
@@ -68,6 +69,12 @@ class MLAAttention(nn.Module):
     def __init__(self, cfg: AttentionConfig, hidden_size: int, rotary: RotaryEmbedding, backend,
                  shared_selection: SharedSelection | None = None):
         super().__init__()
+        # tensor parallel: this rank's heads (q, kv_b and o_proj split by heads, `tp_shards`); the latent, its
+        # projection and cache, and the DSA indexer are every rank's
+        self.tp = tp = parallel.current()
+        if tp.size > 1:
+            parallel.check_divisible("num_attention_heads", cfg.num_heads, tp)
+            cfg = replace(cfg, num_heads=cfg.num_heads // tp.size)
         self.cfg = cfg
         bias = cfg.has_qkv_bias
         q_size = cfg.num_heads * cfg.head_dim
@@ -95,6 +102,13 @@ class MLAAttention(nn.Module):
             raise ValueError("a DSA layer needs the model's SharedSelection")
         self.shared_selection = shared_selection
 
+    def tp_shards(self) -> dict[str, parallel.Shard]:
+        shards = {"q_proj.weight" if self.cfg.q_lora_rank is None else "q_b_proj.weight": parallel.COLUMN,
+                  "kv_b_proj.weight": parallel.COLUMN, "o_proj.weight": parallel.ROW}
+        if self.cfg.has_o_bias:
+            shards["o_proj.bias"] = parallel.ONCE
+        return shards
+
     def kv_cache_shapes(self) -> tuple[tuple[int, int], ...]:
         latent = (1, self.cfg.kv_lora_rank + self.cfg.qk_rope_head_dim)
         return (latent, (1, self.cfg.indexer.head_dim)) if self.has_indexer else (latent,)
@@ -120,4 +134,5 @@ class MLAAttention(nn.Module):
             selected = self.shared_selection.selected
         out = self.backend.mla(q_nope, q_rope, entry, self.kv_cache[:1], self.kv_b_proj.weight, batch, cfg.scale,
                                cfg.v_head_dim, selected)
-        return self.o_proj(out.reshape(num_tokens, cfg.num_heads * cfg.v_head_dim))
+        out = self.o_proj(out.reshape(num_tokens, cfg.num_heads * cfg.v_head_dim))
+        return parallel.all_reduce(out, self.tp)  # the heads' partial sums: one all-reduce

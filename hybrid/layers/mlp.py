@@ -8,17 +8,30 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybrid import parallel
 from hybrid.layers.ops import TORCH_OPS, DenseOps
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, ops: DenseOps = TORCH_OPS):
+    """Tensor parallel: gate and up column-parallel, down row-parallel; `is_reduced` False leaves the partial sum
+    to the owner's one all-reduce (a shared expert, summed with the routed experts' partial first)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, ops: DenseOps = TORCH_OPS, is_reduced: bool = True):
         super().__init__()
+        self.tp = parallel.current()
+        self.is_reduced = is_reduced
+        if self.tp.size > 1:
+            parallel.check_divisible("MLP intermediate size", intermediate_size, self.tp)
+            intermediate_size //= self.tp.size
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         self.ops = ops
         self.gate_up_weight: torch.Tensor | None = None
+
+    def tp_shards(self) -> dict[str, parallel.Shard]:
+        return {"gate_proj.weight": parallel.COLUMN, "up_proj.weight": parallel.COLUMN,
+                "down_proj.weight": parallel.ROW}
 
     def fuse_gate_up(self) -> None:
         is_plain = isinstance(self.gate_proj, nn.Linear) and isinstance(self.up_proj, nn.Linear)
@@ -31,6 +44,8 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate_up = F.linear(x, self.gate_up_weight)  # [T, 2I]
-        return self.down_proj(self.ops.silu_and_mul(gate_up))
+            out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        else:
+            gate_up = F.linear(x, self.gate_up_weight)  # [T, 2I]
+            out = self.down_proj(self.ops.silu_and_mul(gate_up))
+        return parallel.all_reduce(out, self.tp) if self.is_reduced else out

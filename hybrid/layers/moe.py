@@ -8,7 +8,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from cpu_experts.reference import moe_reference
+from hybrid import parallel
 from hybrid.config import MoEConfig
+from hybrid.errors import ConfigError
 from hybrid.layers.mlp import GatedMLP
 from hybrid.layers.ops import TORCH_OPS, DenseOps
 
@@ -119,13 +121,19 @@ def fused_expert_targets(module: nn.Module, expert_ids, num_experts: int):
 class TorchExperts(nn.Module):
     """All of a layer's routed experts as stacked tensors, computed by the plain-PyTorch reference. With
     `has_fused_storage` (set by the model: `MoEConfig.has_fused_storage`) the checkpoint names them as two fused
-    3-D tensors (`FusedExpertsTarget`), else one name per expert and projection."""
+    3-D tensors (`FusedExpertsTarget`), else one name per expert and projection. Tensor parallel: each rank holds
+    every expert's slice of the intermediate dimension (gate and up rows, down columns), so its output is a partial
+    sum that the MoE block's one all-reduce completes."""
 
     has_fused_storage = False
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  proj_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")):
         super().__init__()
+        self.tp = parallel.current()
+        if self.tp.size > 1:
+            parallel.check_divisible("moe_intermediate_size", intermediate_size, self.tp)
+            intermediate_size //= self.tp.size
         self.proj_names = proj_names
         gate, up, down = proj_names
         self.register_parameter(gate, nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size)))
@@ -135,13 +143,27 @@ class TorchExperts(nn.Module):
     def checkpoint_targets(self):
         """(checkpoint suffix, destination view) pairs: expert e's `{e}.gate_proj.weight` is row e of the stack."""
         if self.has_fused_storage:
+            self._check_unsplit_storage()
             yield from fused_expert_targets(self, range(getattr(self, self.proj_names[0]).shape[0]),
                                             getattr(self, self.proj_names[0]).shape[0])
             return
         for name in self.proj_names:
             stacked = getattr(self, name)
             for e in range(stacked.shape[0]):
-                yield f"{e}.{name}.weight", stacked.data[e]
+                yield f"{e}.{name}.weight", self.expert_target(name, stacked.data[e])
+
+    def expert_target(self, name: str, view: torch.Tensor):
+        """One expert's projection as the loader fills it: the view, or at tensor parallel its `ShardTarget`
+        (gate and up split by rows, down by columns)."""
+        if self.tp.size == 1:
+            return view
+        shard = parallel.ROW if name == self.proj_names[2] else parallel.COLUMN
+        return parallel.ShardTarget(view, shard, self.tp)
+
+    def _check_unsplit_storage(self) -> None:
+        if self.tp.size > 1:
+            raise ConfigError("routed experts stored fused (experts.gate_up_proj) are not split over tensor-parallel "
+                              "ranks yet: run with tensor_parallel_size 1")
 
     def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         gate, up, down = (getattr(self, n) for n in self.proj_names)
@@ -223,9 +245,12 @@ class SparseMoE(_HoldsCorrectionBias):
         self.gate = Router(hidden_size, moe, ops)
         self._register_correction_bias(moe, "block")
         self.experts = experts
+        self.tp = parallel.current()
+        if self.tp.size > 1 and deferral is not None:
+            raise ConfigError("defer_experts is not supported with tensor parallelism: set defer_experts 0")
         self.shared_name = shared_name if moe.shared_intermediate_size else None
-        if self.shared_name:
-            setattr(self, shared_name, GatedMLP(hidden_size, moe.shared_intermediate_size, ops))
+        if self.shared_name:  # its partial sum joins the routed experts' before the block's one all-reduce
+            setattr(self, shared_name, GatedMLP(hidden_size, moe.shared_intermediate_size, ops, is_reduced=False))
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if moe.has_shared_gate else None
         self.deferral, self.is_deferring = deferral, is_deferring
 
@@ -245,7 +270,7 @@ class SparseMoE(_HoldsCorrectionBias):
         for part in (shared, carried):
             if part is not None:
                 out = out + part
-        return out
+        return parallel.all_reduce(out, self.tp)  # routed + shared partial sums: the block's one all-reduce
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor | None:
         if not self.shared_name:

@@ -11,8 +11,10 @@ from __future__ import annotations
 import re
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from hybrid import parallel
 from hybrid.config import ModelConfig, RawConfig
 from hybrid.forward_batch import ForwardBatch
 from hybrid.layers.attention import GQAAttention
@@ -52,6 +54,22 @@ class DecoderLayer(nn.Module):
         return getattr(self, self.ff_name)(normed), residual
 
 
+class VocabEmbedding(nn.Module):
+    """Tensor parallel: the embedding rows of this rank's vocabulary shard (`parallel.shard_range`, padded to equal
+    shards); ids outside it give zero rows, and the all-reduce of the ranks' rows is every token's embedding."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: parallel.TensorParallel):
+        super().__init__()
+        self.tp = tp
+        self.start, self.end = parallel.shard_range(vocab_size, tp.rank, tp.size)
+        self.weight = nn.Parameter(torch.empty(-(-vocab_size // tp.size), hidden_size))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        is_local = (input_ids >= self.start) & (input_ids < self.end)
+        rows = F.embedding(torch.where(is_local, input_ids - self.start, 0), self.weight)  # [T, H]
+        return parallel.all_reduce(rows.masked_fill_(~is_local.unsqueeze(1), 0), self.tp)
+
+
 class MoECausalLM(nn.Module):
     ff_name = "mlp"  # attribute of the feed-forward block in each decoder layer
     shared_expert_name = "shared_experts"
@@ -73,8 +91,11 @@ class MoECausalLM(nn.Module):
         # DSA: the selection GLM-5.2's shared layers take from the full indexer layer before them
         self.shared_selection = SharedSelection() if any(
             spec.attention.indexer is not None for spec in config.layers) else None
+        # tensor parallel (`hybrid.parallel`): the layers split themselves; embeddings and lm_head by vocabulary
+        self.tp = tp = parallel.current()
         self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size) if tp.size == 1 else \
+            VocabEmbedding(config.vocab_size, config.hidden_size, tp)
         rotaries: dict = {}  # one RotaryEmbedding per distinct RoPE: layers of one kind share its tables
         for spec in config.layers:
             rotaries.setdefault(spec.rope, RotaryEmbedding(spec.rope, backends.ops))
@@ -93,7 +114,7 @@ class MoECausalLM(nn.Module):
             for i in range(config.num_layers)
         )
         self.model.norm = norm_cls(config.hidden_size, config.rms_norm_eps, backends.ops)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, self.model.embed_tokens.weight.shape[0], bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -127,6 +148,10 @@ class MoECausalLM(nn.Module):
     def checkpoint_targets(self) -> dict[str, torch.Tensor]:
         """Checkpoint tensor name -> the tensor its values are copied into."""
         return checkpoint_targets_of(self)
+
+    def tp_shards(self) -> dict[str, parallel.Shard]:
+        vocab = parallel.vocab(self.config.vocab_size)
+        return {"model.embed_tokens.weight": vocab, "lm_head.weight": vocab}
 
     def routed_expert_name(self, layer: int, expert: int, role: str) -> str:
         """Checkpoint name of routed expert `expert`'s projection `role` (gate, up or down) in layer `layer`."""
@@ -162,22 +187,30 @@ class MoECausalLM(nn.Module):
         return self.model.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] -> float32 logits [N, V]."""
-        return self.lm_head(hidden).float()
+        """hidden [N, H] -> float32 logits [N, V] (tensor parallel: every rank's vocabulary shard gathered)."""
+        return parallel.gather_vocab(self.lm_head(hidden).float(), self.config.vocab_size, self.tp)
 
 
 def checkpoint_targets_of(root: nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:
     """Checkpoint name -> destination tensor for the parameters and buffers of `root` (named under `prefix`);
-    modules with their own `checkpoint_targets` (stacked experts, quantized Linears) map the names under them."""
+    modules with their own `checkpoint_targets` (stacked experts, quantized Linears) map the names under them.
+    Tensor parallel: a parameter that its module's `tp_shards` splits is a `parallel.ShardTarget`."""
     targets: dict[str, torch.Tensor] = {}
     stacked: set[str] = set()
+    shards: dict[str, tuple[parallel.Shard, parallel.TensorParallel]] = {}
     for module_name, module in root.named_modules(prefix=prefix.rstrip(".")):
+        tp = getattr(module, "tp", parallel.SINGLE)
+        if hasattr(module, "tp_shards") and tp.size > 1:
+            shards.update({f"{module_name}.{name}" if module_name else name: (shard, tp)
+                           for name, shard in module.tp_shards().items()})
         if hasattr(module, "checkpoint_targets") and module is not root:
             for suffix, tensor in module.checkpoint_targets():
                 targets[f"{module_name}.{suffix}"] = tensor
             own = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
             stacked.update(f"{module_name}.{n}" for n, _ in own)
     for name, tensor in root.state_dict(prefix=prefix, keep_vars=True).items():
-        if name not in stacked:
+        if name in shards:
+            targets[name] = parallel.ShardTarget(tensor.data, *shards[name])
+        elif name not in stacked:
             targets[name] = tensor.data
     return targets

@@ -1,0 +1,184 @@
+"""The tensor-parallel ranks' processes: rank 0's `LLM` starts ranks 1..N-1 (torch.multiprocessing, spawn), each
+of which builds its own shard of the model from the same path and config and then serves steps until told to stop.
+
+Rank 0 keeps everything that decides (scheduler, engine, KV-page allocator, sampling, the HTTP server); a step
+reaches the workers at one place, `ModelRunner.execute`, which broadcasts its sequences, token ids and logit rows
+over the host (gloo) group before it runs, so every rank runs the same forward pass on the same pages (each rank's
+KV cache has the same pages, holding its own heads). A runner that captures CUDA graphs is announced the same way
+before it captures, so every rank captures the same buckets in the same order (their collectives captured
+inside). Commands, as tuples:
+    ("runner", id, max_graph_batch)            build a graph-capturing runner (and capture)
+    ("execute", id or None, seqs, input_ids, logit_rows)   one forward pass (None: the eager runner)
+    ("close", id)                              close a graph runner
+    ("stop",)                                  leave the loop and exit
+
+Failures: a worker that raises reports its traceback to rank 0 (a queue) and exits, which closes its sockets, so
+rank 0's next collective fails at once over gloo; rank 0 then raises the worker's error (`Workers.raise_reported`).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import traceback
+from itertools import count
+from multiprocessing.connection import wait
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from hybrid import parallel
+
+log = logging.getLogger(__name__)
+
+JOIN_SECONDS = 30.0  # a worker that has not exited this long after "stop" is terminated
+REPORT_SECONDS = 5.0  # how long rank 0 waits for a failed worker's report
+
+
+def rank_device(device: str, rank: int) -> str:
+    """Rank r's device: cuda:r where the engine's device is CUDA, else the device as given."""
+    return f"cuda:{rank}" if torch.device(device).type == "cuda" else device
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Workers:
+    """Rank 0's side: the other ranks' processes, the broadcast of commands and the failures they report."""
+
+    def __init__(self, path, config):
+        self.size = config.tensor_parallel_size
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        if torch.device(config.device).type == "cuda":
+            parallel.set_nccl_environment()  # inherited by the spawned ranks
+        context = mp.get_context("spawn")
+        self.errors = context.SimpleQueue()
+        self.processes = [context.Process(target=worker_main, args=(str(path), config, rank, init_method, self.errors),
+                                          name=f"hybrid-tp-rank{rank}", daemon=True)
+                          for rank in range(1, self.size)]
+        for process in self.processes:
+            process.start()
+        self._runner_ids = count(1)
+        self.is_stopped = False
+        try:
+            parallel.init(0, self.size, init_method, rank_device(config.device, 0))
+        except BaseException:
+            self._terminate()
+            raise
+
+    def wait_ready(self) -> None:
+        """After rank 0 built its shard: every worker built its own (or the one that failed is raised)."""
+        self.guard(lambda: dist.barrier(group=parallel.host_group()))
+
+    def new_runner(self, max_graph_batch: int) -> int:
+        """Announces a graph-capturing runner: the workers build theirs (and capture with rank 0)."""
+        runner_id = next(self._runner_ids)
+        self.send(("runner", runner_id, max_graph_batch))
+        return runner_id
+
+    def send(self, command: tuple) -> None:
+        self.check()
+        self.guard(lambda: dist.broadcast_object_list([command], src=0, group=parallel.host_group()))
+
+    def check(self) -> None:
+        """Raises the error of a worker that has exited (cheap: one waitpid per worker)."""
+        for rank, process in enumerate(self.processes, start=1):
+            if not process.is_alive() and not self.is_stopped:
+                self.raise_reported()
+                raise RuntimeError(f"tensor-parallel rank {rank} exited with code {process.exitcode}")
+
+    def raise_reported(self) -> None:
+        """After a collective failed: raises a worker's own report of its failure, where one comes (a failed worker
+        reports, then exits: this waits for the first exit, a few seconds at most); else returns."""
+        wait([p.sentinel for p in self.processes], timeout=REPORT_SECONDS)
+        if not self.errors.empty():
+            raise RuntimeError(f"tensor-parallel {self.errors.get()}")
+
+    def guard(self, work):
+        """work() -> its result; where a collective in it fails, the failed worker's report is raised instead."""
+        try:
+            return work()
+        except RuntimeError as exc:
+            try:
+                self.raise_reported()
+            except RuntimeError as reported:
+                raise reported from exc
+            raise
+
+    def stop(self) -> None:
+        """Tells the workers to exit and joins them (terminating any that hang); leaves the process groups."""
+        if self.is_stopped:
+            return
+        try:
+            if all(p.is_alive() for p in self.processes):
+                dist.broadcast_object_list([("stop",)], src=0, group=parallel.host_group())
+        except RuntimeError as exc:
+            log.warning("stopping the tensor-parallel workers: %s", exc)
+        self.is_stopped = True
+        for process in self.processes:
+            process.join(timeout=JOIN_SECONDS)
+        self._terminate()
+        parallel.destroy()
+
+    def _terminate(self) -> None:
+        for process in self.processes:
+            if process.is_alive():
+                process.terminate()
+                process.join()
+
+
+def receive() -> tuple:
+    command = [None]
+    dist.broadcast_object_list(command, src=0, group=parallel.host_group())
+    return command[0]
+
+
+def worker_main(path: str, config, rank: int, init_method: str, errors) -> None:
+    """Rank `rank`'s process: joins the ranks, builds its shard of the model, serves rank 0's commands."""
+    from hybrid.llm import LLM
+
+    try:
+        parallel.init(rank, config.tensor_parallel_size, init_method, rank_device(config.device, rank))
+        llm = LLM(path, config)
+        dist.barrier(group=parallel.host_group())  # this rank is ready (`Workers.wait_ready`)
+        serve(llm)
+        llm.close()
+    except BaseException as exc:  # rank 0 raises it (`Workers.raise_reported`); its sockets close as this process exits
+        lines = traceback.format_exception(exc)
+        errors.put(f"rank {rank} failed: {type(exc).__name__}: {exc}\n{''.join(lines)}")
+        raise SystemExit(1) from None
+    finally:
+        parallel.destroy()
+
+
+@torch.inference_mode()
+def serve(llm) -> None:
+    from hybrid.model_runner import ModelRunner
+
+    runners: dict[int, ModelRunner] = {}
+    is_cuda = llm.engine_config.is_cuda
+    while True:
+        command = receive()
+        kind = command[0]
+        if kind == "stop":
+            break
+        if kind == "execute":
+            _, runner_id, seqs, input_ids, logit_rows = command
+            runner = llm.runner if runner_id is None else runners[runner_id]
+            runner.execute(seqs, input_ids, logit_rows)  # the logits are rank 0's
+            if is_cuda:
+                torch.cuda.synchronize()  # what rank 0's reading of the logits does before its finish_step
+            runner.finish_step()
+        elif kind == "runner":
+            _, runner_id, max_graph_batch = command
+            runners[runner_id] = ModelRunner(llm, max_graph_batch)
+        elif kind == "close":
+            runners.pop(command[1]).close()
+        else:
+            raise RuntimeError(f"unknown tensor-parallel command {kind!r}")
+    for runner in runners.values():
+        runner.close()
