@@ -12,14 +12,17 @@ inside). Commands, as tuples:
     ("close", id)                              close a graph runner
     ("stop",)                                  leave the loop and exit
 
-Failures: a worker that raises reports its traceback to rank 0 (a queue) and exits, which closes its sockets, so
+Failures: a worker that raises reports its traceback to rank 0 (a pipe) and exits, which closes its sockets, so
 rank 0's next collective fails at once over gloo; rank 0 then raises the worker's error (`Workers.raise_reported`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import socket
+import sys
+import threading
 import traceback
 from itertools import count
 from multiprocessing.connection import wait
@@ -27,6 +30,7 @@ from multiprocessing.connection import wait
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from tqdm import tqdm
 
 from hybrid import parallel
 
@@ -56,12 +60,15 @@ class Workers:
         if torch.device(config.device).type == "cuda":
             parallel.set_nccl_environment()  # inherited by the spawned ranks
         context = mp.get_context("spawn")
-        self.errors = context.SimpleQueue()
-        self.processes = [context.Process(target=worker_main, args=(str(path), config, rank, init_method, self.errors),
+        pipes = [context.Pipe(duplex=False) for _ in range(1, self.size)]  # (rank 0's end, the worker's)
+        self.reports = [reader for reader, _ in pipes]
+        self.processes = [context.Process(target=worker_main, args=(str(path), config, rank, init_method, writer),
                                           name=f"hybrid-tp-rank{rank}", daemon=True)
-                          for rank in range(1, self.size)]
+                          for rank, (_, writer) in enumerate(pipes, start=1)]
         for process in self.processes:
             process.start()
+        for _, writer in pipes:
+            writer.close()  # the workers' now
         self._runner_ids = count(1)
         self.is_stopped = False
         try:
@@ -95,8 +102,13 @@ class Workers:
         """After a collective failed: raises a worker's own report of its failure, where one comes (a failed worker
         reports, then exits: this waits for the first exit, a few seconds at most); else returns."""
         wait([p.sentinel for p in self.processes], timeout=REPORT_SECONDS)
-        if not self.errors.empty():
-            raise RuntimeError(f"tensor-parallel {self.errors.get()}")
+        for reader in self.reports:
+            try:
+                report = reader.recv() if reader.poll() else None
+            except EOFError:  # exited without a report (killed)
+                continue
+            if report is not None:
+                raise RuntimeError(f"tensor-parallel {report}")
 
     def guard(self, work):
         """work() -> its result; where a collective in it fails, the failed worker's report is raised instead."""
@@ -113,13 +125,15 @@ class Workers:
         """Tells the workers to exit and joins them (terminating any that hang); leaves the process groups."""
         if self.is_stopped:
             return
+        is_told = False
         try:
-            if all(p.is_alive() for p in self.processes):
+            if all(p.is_alive() for p in self.processes):  # else the others wait for a step that never comes
                 dist.broadcast_object_list([("stop",)], src=0, group=parallel.host_group())
+                is_told = True
         except RuntimeError as exc:
             log.warning("stopping the tensor-parallel workers: %s", exc)
         self.is_stopped = True
-        for process in self.processes:
+        for process in self.processes if is_told else ():
             process.join(timeout=JOIN_SECONDS)
         self._terminate()
         parallel.destroy()
@@ -137,22 +151,29 @@ def receive() -> tuple:
     return command[0]
 
 
-def worker_main(path: str, config, rank: int, init_method: str, errors) -> None:
-    """Rank `rank`'s process: joins the ranks, builds its shard of the model, serves rank 0's commands."""
+def worker_main(path: str, config, rank: int, init_method: str, report) -> None:
+    """Rank `rank`'s process: joins the ranks, builds its shard of the model, serves rank 0's commands; a failure
+    goes to rank 0 through `report` (a pipe's sending end)."""
     from hybrid.llm import LLM
 
+    # tqdm's default lock is a multiprocessing semaphore, which the fast exit below would leak: a thread lock does
+    tqdm.set_lock(threading.RLock())
+    code = 0
     try:
         parallel.init(rank, config.tensor_parallel_size, init_method, rank_device(config.device, rank))
         llm = LLM(path, config)
         dist.barrier(group=parallel.host_group())  # this rank is ready (`Workers.wait_ready`)
         serve(llm)
         llm.close()
+        parallel.destroy()
     except BaseException as exc:  # rank 0 raises it (`Workers.raise_reported`); its sockets close as this process exits
         lines = traceback.format_exception(exc)
-        errors.put(f"rank {rank} failed: {type(exc).__name__}: {exc}\n{''.join(lines)}")
-        raise SystemExit(1) from None
-    finally:
-        parallel.destroy()
+        report.send(f"rank {rank} failed: {type(exc).__name__}: {exc}\n{''.join(lines)}")
+        code = 1
+    # nothing is left to tear down that the interpreter's exit would (seconds of module teardown per worker)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 @torch.inference_mode()
