@@ -113,9 +113,15 @@ def gather_vocab(logits: torch.Tensor, vocab_size: int, tp: TensorParallel) -> t
     """Each rank's vocabulary shard of the logits [N, V / size padded] -> the whole [N, V] on every rank."""
     if tp.size == 1:
         return logits
-    parts = [torch.empty_like(logits) for _ in range(tp.size)]
-    dist.all_gather(parts, logits.contiguous(), group=_device_group)
-    return torch.cat(parts, dim=-1)[:, :vocab_size]
+    num_rows, shard = logits.shape
+    gathered = logits.new_empty(tp.size * num_rows, shard)  # [size * N, V / size]: one tensor, graph-capturable
+    _all_gather_single()(gathered, logits.contiguous(), group=_device_group)
+    return gathered.view(tp.size, num_rows, shard).transpose(0, 1).reshape(num_rows, -1)[:, :vocab_size]
+
+
+def _all_gather_single():
+    """torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single; the device has 2.11."""
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def shard_range(n: int, rank: int, size: int) -> tuple[int, int]:
