@@ -40,12 +40,14 @@ from hybrid.tp_workers import Workers, rank_device
 log = logging.getLogger(__name__)
 
 
-def build_model(cls: type[MoECausalLM], config, engine: EngineConfig, backends: Backends | None = None):
-    """Builds the model without initialising weights (they are about to be overwritten by the loader)."""
+def build_model(cls: type[MoECausalLM], config, engine: EngineConfig, backends: Backends | None = None,
+                tp: parallel.TensorParallel = parallel.SINGLE):
+    """Builds the model without initialising weights (they are about to be overwritten by the loader); `tp`: this
+    rank's shard of it."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(engine.torch_dtype)
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), parallel.building(tp):
             model = cls(config, backends)
     finally:
         torch.set_default_dtype(previous)
@@ -68,8 +70,10 @@ class LLM:
         cls, self.config = load_model_config(path)
         self.workers: Workers | None = None  # rank 0 of a tensor-parallel LLM: the other ranks' processes
         self._num_torch_threads = torch.get_num_threads()
+        self.tp = parallel.SINGLE  # this process's shard of the model (`hybrid.parallel`)
         if self.engine_config.tensor_parallel_size > 1:
             self.workers = self._join_ranks(path)
+            self.tp = parallel.joined()
         try:
             self._build(path, cls)
             if self.workers is not None:
@@ -111,7 +115,7 @@ class LLM:
         if cfg.tensor_parallel_size > 1:  # quantized dense weights are dequantized at load, then split
             backends = replace(backends, keep_quantized=False)
         self.backends = backends
-        self.model = build_model(cls, self.config, cfg, backends)
+        self.model = build_model(cls, self.config, cfg, backends, self.tp)
         partitions = cfg.numa_partitions or len(discover_nodes())
         load_weights(self.model, path, partitions, keep_quantized=backends.keep_quantized,
                      expert_dtype=cfg.expert_dtype)
@@ -163,7 +167,7 @@ class LLM:
         if not parallel.is_initialized():
             check_tensor_parallel(self.config, cfg, read_manifest(Path(path)) is not None)
             workers = Workers(path, cfg)
-        tp = parallel.current()
+        tp = parallel.joined()
         self.engine_config = replace(cfg, device=rank_device(cfg.device, tp.rank))
         if not cfg.is_cuda:
             torch.set_num_threads(max(1, len(allowed_cpus()) // tp.size))

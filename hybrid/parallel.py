@@ -21,6 +21,7 @@ name and shape checks and "loading is a copy" are those of one process.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -57,13 +58,34 @@ _device_group = None
 _host_group = None
 
 
+_building: TensorParallel | None = None
+
+
 def current() -> TensorParallel:
-    """The process's tensor-parallel place (rank 0 of 1 unless `init` ran); layers read it when they are built."""
-    return _state
+    """What layers read when they are built: the place of the model being built (`building`), else one process."""
+    return _building or SINGLE
+
+
+@contextmanager
+def building(tp: TensorParallel):
+    """Layers built inside take `tp` (`hybrid.llm.build_model` with the rank's `joined()` place; rank 0 may build a
+    one-process model beside its tensor-parallel one)."""
+    global _building
+    previous, _building = _building, tp
+    try:
+        yield tp
+    finally:
+        _building = previous
 
 
 def is_initialized() -> bool:
+    """Whether this process has joined tensor-parallel ranks (`init`)."""
     return _state.size > 1
+
+
+def joined() -> TensorParallel:
+    """This process's place among the ranks it joined (rank 0 of 1 where it joined none)."""
+    return _state
 
 
 def set_nccl_environment() -> None:

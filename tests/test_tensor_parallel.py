@@ -60,6 +60,7 @@ class Run:
     greedy: list[int]
     engine: list[list[int]] | None = None
     num_cached: list[int] | None = None
+    beside: torch.Tensor | None = None  # a one-process LLM's logits, built while the tensor-parallel one is open
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -92,6 +93,9 @@ def run(path, tp: int, *, with_engine: bool = False, kill_worker: bool = False) 
         result = Run([llm.prefill_logits(p) for p in PROMPTS], llm.generate(PROMPTS[2], NUM_GREEDY, ignore_eos=True))
         if with_engine:
             result.engine, result.num_cached = engine_scenario(llm)
+            alone = LLM(path, device="cpu", dtype="float32")
+            result.beside = alone.prefill_logits(PROMPTS[2])
+            alone.close()
         if kill_worker:  # a worker gone: the next step is an error naming it, not a hang
             llm.workers.processes[-1].kill()
             llm.workers.processes[-1].join()
@@ -144,6 +148,7 @@ def test_mla_matches_one_process(mla_runs, tp):
 
 def test_engine_batching_and_prefix_cache_match_one_process(gqa_runs):
     want, got = gqa_runs[2]
+    assert torch.equal(got.beside, want.logits[2])  # rank 0 builds one-process models as before
     assert got.engine == want.engine
     assert got.num_cached == want.num_cached and min(got.num_cached) == 32  # the shared prefix's 2 pages
 
