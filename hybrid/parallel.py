@@ -190,9 +190,6 @@ def check_tensor_parallel(config, engine, is_converted: bool) -> None:
     if config.has_recurrent_layers:
         raise ConfigError(f"{config.architecture}: Gated DeltaNet layers are not split over tensor-parallel ranks: "
                           "run with tensor_parallel_size 1")
-    if config.architecture == "GptOssForCausalLM":
-        raise ConfigError("gpt-oss's fused experts are not split over tensor-parallel ranks yet: run with "
-                          "tensor_parallel_size 1")
     for spec in config.layers:
         attention = spec.attention
         check_divisible("num_attention_heads", attention.num_heads, tp, "pick a tensor_parallel_size that divides it")

@@ -1,8 +1,9 @@
 """Tensor parallelism on the CPU (gloo, float32, separate processes): the model split over 2 and 3 ranks gives the
-logits of one process within float32 rounding and the same greedy tokens, for GQA (Qwen2-MoE: q/k/v biases, a
-gated shared expert; KV heads split at tp=2 and one KV head replicated on 3 ranks at tp=3) and MLA (DeepSeek-V3
-with attention biases: o_proj's bias added once; the vocabulary padded at tp=3); the engine at tp=2 gives the tokens
-of tp=1 under batching and prefix caching; a dead worker is an error in rank 0; what is not split is refused.
+logits of one process within float32 rounding and the same greedy tokens, for GQA (gpt-oss at tp=2: KV heads split,
+q/k/v/o biases, sinks, sliding windows, biased experts; Qwen2-MoE at tp=3: one KV head replicated on 3 ranks, a
+gated shared expert, the vocabulary padded) and MLA (DeepSeek-V3 with attention biases at tp=2 and 3); the engine at
+tp=2 gives the tokens of tp=1 under batching and prefix caching; a dead worker, or one that fails, is an error in
+rank 0; what is not split is refused.
 Each (model, size) LLM is started once per module: spawning ranks is the slow part."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import pytest
 import torch
 import transformers as T
 from checkpoints import VOCAB, make_checkpoint, prompt
+from test_gpt_oss import make_gpt_oss
 
 from hybrid import LLM, parallel
 from hybrid.cli_args import add_arguments, from_namespace
@@ -87,7 +89,7 @@ def engine_scenario(llm) -> tuple[list[list[int]], list[int]]:
     return first + [r.output_ids for r in requests], [r.num_cached for r in requests]
 
 
-def run(path, tp: int, *, with_engine: bool = False, kill_worker: bool = False) -> Run:
+def run(path, tp: int, *, with_engine: bool = False, kill_worker: bool = False, fail_worker: bool = False) -> Run:
     llm = LLM(path, device="cpu", dtype="float32", tensor_parallel_size=tp)
     try:
         result = Run([llm.prefill_logits(p) for p in PROMPTS], llm.generate(PROMPTS[2], NUM_GREEDY, ignore_eos=True))
@@ -101,6 +103,10 @@ def run(path, tp: int, *, with_engine: bool = False, kill_worker: bool = False) 
             llm.workers.processes[-1].join()
             with pytest.raises(RuntimeError, match=f"tensor-parallel rank {tp - 1} exited"):
                 llm.prefill_logits(PROMPTS[1])
+        if fail_worker:  # a worker that raises: its own error, raised in rank 0 at the next step
+            llm.workers.send(("no such command",))
+            with pytest.raises(RuntimeError, match="rank 1 failed: RuntimeError: unknown tensor-parallel command"):
+                llm.prefill_logits(PROMPTS[1])
     finally:
         llm.close()
     assert not parallel.is_initialized()
@@ -109,21 +115,21 @@ def run(path, tp: int, *, with_engine: bool = False, kill_worker: bool = False) 
 
 @pytest.fixture(scope="module")
 def gqa_runs(tmp_path_factory):
-    """KV heads split (2 KV heads, tp=2; with the engine scenario) and replicated (1 KV head on 3 ranks)."""
-    runs = {}
-    for num_kv_heads, tp in ((2, 2), (1, 3)):
-        path = tmp_path_factory.mktemp(f"qwen2_moe_kv{num_kv_heads}")
-        make_checkpoint(qwen2_moe(num_kv_heads), path, seed=4)
-        runs[num_kv_heads] = (run(path, 1, with_engine=tp == 2), run(path, tp, with_engine=tp == 2,
-                                                                       kill_worker=tp == 3))
-    return runs
+    """gpt-oss at tp=2 (KV heads split; q/k/v/o biases, sinks, sliding-window layers, biased experts; with the
+    engine scenario) and Qwen2-MoE at tp=3 (one KV head replicated on 3 ranks, gated shared expert)."""
+    oss = tmp_path_factory.mktemp("gpt_oss")
+    make_gpt_oss(oss)
+    qwen = tmp_path_factory.mktemp("qwen2_moe_kv1")
+    make_checkpoint(qwen2_moe(1), qwen, seed=4)
+    return {"gpt_oss": (run(oss, 1, with_engine=True), run(oss, 2, with_engine=True)),
+            "qwen2_moe": (run(qwen, 1), run(qwen, 3, kill_worker=True))}
 
 
 @pytest.fixture(scope="module")
 def mla_runs(tmp_path_factory):
     path = tmp_path_factory.mktemp("deepseek_v3")
     make_checkpoint(deepseek_v3(), path, seed=1)
-    return {tp: run(path, tp) for tp in (1, 2, 3)}
+    return {tp: run(path, tp, fail_worker=tp == 2) for tp in (1, 2, 3)}
 
 
 def assert_same_run(got: Run, want: Run) -> None:
@@ -135,9 +141,9 @@ def assert_same_run(got: Run, want: Run) -> None:
     assert got.greedy == want.greedy
 
 
-@pytest.mark.parametrize("num_kv_heads", [2, 1], ids=["kv_split_tp2", "kv_replicated_tp3"])
-def test_gqa_matches_one_process(gqa_runs, num_kv_heads):
-    want, got = gqa_runs[num_kv_heads]
+@pytest.mark.parametrize("model", ["gpt_oss", "qwen2_moe"], ids=["kv_split_tp2", "kv_replicated_tp3"])
+def test_gqa_matches_one_process(gqa_runs, model):
+    want, got = gqa_runs[model]
     assert_same_run(got, want)
 
 
@@ -147,7 +153,7 @@ def test_mla_matches_one_process(mla_runs, tp):
 
 
 def test_engine_batching_and_prefix_cache_match_one_process(gqa_runs):
-    want, got = gqa_runs[2]
+    want, got = gqa_runs["gpt_oss"]
     assert torch.equal(got.beside, want.logits[2])  # rank 0 builds one-process models as before
     assert got.engine == want.engine
     assert got.num_cached == want.num_cached and min(got.num_cached) == 32  # the shared prefix's 2 pages

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cpu_experts.expert_file import SWIGLU_OAI
+from hybrid import parallel
 from hybrid.config import LayerSpec, ModelConfig, MoEConfig, RawConfig, common_fields, gqa_attention, parse_rope
 from hybrid.errors import ConfigError
 from hybrid.layers.backends import Backends, default_experts_factory, triton_experts_factory
@@ -80,6 +81,10 @@ class GptOssExperts(nn.Module):
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, ops: DenseOps = TORCH_OPS):
         super().__init__()
+        self.tp = parallel.current()  # tensor parallel: every expert's slice of the intermediate dimension
+        if self.tp.size > 1:
+            parallel.check_divisible("intermediate_size", intermediate_size, self.tp)
+            intermediate_size //= self.tp.size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden_size, 2 * intermediate_size))
         self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
@@ -90,6 +95,11 @@ class GptOssExperts(nn.Module):
         self.w_gate_up_bias: torch.Tensor | None = None  # float32 [E, 2I], gate then up
         self.w_down_bias: torch.Tensor | None = None  # float32 [E, H]
         self.kernel_activation = None  # gpu_layers.fused_moe.Activation, once fused
+
+    def tp_shards(self) -> dict[str, parallel.Shard]:
+        """Gate and up interleaved along 2I: a rank's contiguous columns are its gate/up pairs; the down bias once."""
+        return {"gate_up_proj": parallel.Shard("split", 2), "gate_up_proj_bias": parallel.Shard("split", 1),
+                "down_proj": parallel.Shard("split", 1), "down_proj_bias": parallel.ONCE}
 
     @property
     def is_graph_safe(self) -> bool:
@@ -152,10 +162,11 @@ class GptOssMLP(nn.Module):
         super().__init__()
         self.router = GptOssRouter(hidden_size, moe, ops)
         self.experts = experts or GptOssExperts(moe.num_experts, hidden_size, moe.intermediate_size, ops)
+        self.tp = parallel.current()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.router(x)
-        return self.experts(x, topk_ids, topk_weights)
+        return parallel.all_reduce(self.experts(x, topk_ids, topk_weights), self.tp)  # the ranks' partial sums
 
 
 class GptOssForCausalLM(MoECausalLM):
