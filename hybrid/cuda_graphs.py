@@ -81,6 +81,9 @@ class CudaGraphRunner:
         modules = list(self.model.modules())
         self.num_requests = (sum(isinstance(m, RoutedExperts) and m.has_cpu_part for m in modules)
                              + sum(isinstance(m, SparseMoE) and m.is_deferring for m in modules))
+        # tensor parallel: the collectives are captured too, while NCCL's watchdog thread queries its events, which a
+        # "global" capture forbids to every thread
+        self.capture_error_mode = "thread_local" if getattr(llm, "tp", None) and llm.tp.size > 1 else "global"
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.num_replays = 0
@@ -139,7 +142,7 @@ class CudaGraphRunner:
                     torch.cuda.synchronize(self.device)
                     self.finish_step()
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode=self.capture_error_mode):
                     self.logits[size] = self._forward(size)
                 pool = graph.pool()
                 self.graphs[size] = graph

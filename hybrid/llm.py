@@ -35,7 +35,7 @@ from hybrid.placement import ExpertPlacement, RoutingRecorder, RoutingStats, act
 from hybrid.routed_experts import RoutedExperts, cpu_experts_factory
 from hybrid.sampling import NON_FINITE_LOGITS, SamplingParams
 from hybrid.streaming import attach_streamed, min_streamed_tokens, reserve_bytes
-from hybrid.tp_workers import Workers, rank_device
+from hybrid.tp_workers import Workers, is_worker, rank_device
 
 log = logging.getLogger(__name__)
 
@@ -159,12 +159,14 @@ class LLM:
         self.runner = ModelRunner(self)  # eager: prefill_logits, and the engines that capture no graphs
 
     def _join_ranks(self, path: str | Path) -> Workers | None:
-        """Tensor parallel: rank 0 (no process group yet) checks the setting, starts the other ranks and joins them
-        (`hybrid.tp_workers`), which returns their handle; a rank it started has joined already. Either way the
-        engine config takes this rank's device, and on the CPU the ranks share the cores."""
+        """Tensor parallel: rank 0 checks the setting, starts the other ranks and joins them (`hybrid.tp_workers`),
+        which returns their handle; a rank it started (`is_worker`) has joined already. Either way the engine config
+        takes this rank's device, and on the CPU the ranks share the cores."""
         cfg = self.engine_config
         workers = None
-        if not parallel.is_initialized():
+        if not is_worker():
+            if parallel.is_initialized():
+                raise RuntimeError("a tensor-parallel LLM is open in this process: close() it before opening another")
             check_tensor_parallel(self.config, cfg, read_manifest(Path(path)) is not None)
             workers = Workers(path, cfg)
         tp = parallel.joined()

@@ -53,12 +53,10 @@ class TensorParallel:
 
 
 SINGLE = TensorParallel()
-_state = SINGLE
+_state = SINGLE  # the ranks this process joined (`init`)
 _device_group = None
 _host_group = None
-
-
-_building: TensorParallel | None = None
+_building: TensorParallel | None = None  # the place of the model being built (`building`)
 
 
 def current() -> TensorParallel:
@@ -105,8 +103,9 @@ def init(rank: int, size: int, init_method: str, device: str) -> TensorParallel:
     if is_cuda:
         set_nccl_environment()
         torch.cuda.set_device(torch.device(device))
+    # device_id: NCCL binds this rank's GPU and connects now, not at the first collective
     dist.init_process_group("nccl" if is_cuda else "gloo", init_method=init_method, rank=rank, world_size=size,
-                            timeout=DEVICE_TIMEOUT)
+                            timeout=DEVICE_TIMEOUT, device_id=torch.device(device) if is_cuda else None)
     _device_group = dist.group.WORLD
     _host_group = dist.new_group(backend="gloo", timeout=HOST_TIMEOUT)
     _state = tp
@@ -114,6 +113,7 @@ def init(rank: int, size: int, init_method: str, device: str) -> TensorParallel:
 
 
 def destroy() -> None:
+    """Leaves the ranks (the process groups); the process is one process again."""
     global _state, _device_group, _host_group
     if dist.is_initialized():
         dist.destroy_process_group()

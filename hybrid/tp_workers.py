@@ -40,6 +40,13 @@ JOIN_SECONDS = 30.0  # a worker that has not exited this long after "stop" is te
 REPORT_SECONDS = 5.0  # how long rank 0 waits for a failed worker's report
 
 
+_is_worker = False  # this process is a rank that rank 0 started (`worker_main`)
+
+
+def is_worker() -> bool:
+    return _is_worker
+
+
 def rank_device(device: str, rank: int) -> str:
     """Rank r's device: cuda:r where the engine's device is CUDA, else the device as given."""
     return f"cuda:{rank}" if torch.device(device).type == "cuda" else device
@@ -156,6 +163,8 @@ def worker_main(path: str, config, rank: int, init_method: str, report) -> None:
     goes to rank 0 through `report` (a pipe's sending end)."""
     from hybrid.llm import LLM
 
+    global _is_worker
+    _is_worker = True
     # tqdm's default lock is a multiprocessing semaphore, which the fast exit below would leak: a thread lock does
     tqdm.set_lock(threading.RLock())
     code = 0
