@@ -47,10 +47,6 @@ class TensorParallel:
         if self.size < 1 or not 0 <= self.rank < self.size:
             raise ConfigError(f"tensor-parallel rank {self.rank} of {self.size}: need 0 <= rank < size")
 
-    @property
-    def is_driver(self) -> bool:
-        return self.rank == 0
-
 
 SINGLE = TensorParallel()
 _state = SINGLE  # the ranks this process joined (`init`)
