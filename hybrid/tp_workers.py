@@ -36,6 +36,7 @@ from hybrid import parallel
 
 log = logging.getLogger(__name__)
 
+JOINING = "joining"  # a worker's first report: it has started and joins the ranks now
 JOIN_SECONDS = 30.0  # a worker that has not exited this long after "stop" is terminated
 REPORT_SECONDS = 5.0  # how long rank 0 waits for a failed worker's report
 
@@ -79,10 +80,27 @@ class Workers:
         self._runner_ids = count(1)
         self.is_stopped = False
         try:
+            self._wait_joining()
             parallel.init(0, self.size, init_method, rank_device(config.device, 0))
         except BaseException:
             self._terminate()
             raise
+
+    def _wait_joining(self) -> None:
+        """Until every worker has started and is about to join the ranks: one that fails before (an import) is
+        raised here, where rank 0 joining first would wait for it until the groups' timeout."""
+        pending = dict(enumerate(self.reports, start=1))
+        while pending:
+            wait([*pending.values(), *(p.sentinel for p in self.processes)])
+            for rank, reader in list(pending.items()):
+                try:
+                    message = reader.recv() if reader.poll() else None
+                except EOFError:
+                    message = f"rank {rank} exited with code {self.processes[rank - 1].exitcode} before joining"
+                if message == JOINING:
+                    del pending[rank]
+                elif message is not None:
+                    raise RuntimeError(f"tensor-parallel {message}")
 
     def wait_ready(self) -> None:
         """After rank 0 built its shard: every worker built its own (or the one that failed is raised)."""
@@ -161,14 +179,15 @@ def receive() -> tuple:
 def worker_main(path: str, config, rank: int, init_method: str, report) -> None:
     """Rank `rank`'s process: joins the ranks, builds its shard of the model, serves rank 0's commands; a failure
     goes to rank 0 through `report` (a pipe's sending end)."""
-    from hybrid.llm import LLM
-
     global _is_worker
     _is_worker = True
     # tqdm's default lock is a multiprocessing semaphore, which the fast exit below would leak: a thread lock does
     tqdm.set_lock(threading.RLock())
     code = 0
     try:
+        from hybrid.llm import LLM
+
+        report.send(JOINING)
         parallel.init(rank, config.tensor_parallel_size, init_method, rank_device(config.device, rank))
         llm = LLM(path, config)
         dist.barrier(group=parallel.host_group())  # this rank is ready (`Workers.wait_ready`)
