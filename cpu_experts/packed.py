@@ -98,20 +98,30 @@ class PackedLayer:
                    num_partitions: int = 1, activation: ExpertActivation = SILU,
                    biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, rank: int = 0,
                    num_ranks: int = 1) -> PackedLayer:
-        """Quantizes stacked float weights gate/up [E, I, H], down [E, H, I] (tests and benchmarks); `biases`:
-        gate, up [E, I] and down [E, H], kept float32; `rank`, `num_ranks` as in `from_file_tensors`."""
-        num_experts, inter, hidden = gate.shape
-        spec = ExpertLayerSpec(num_experts, hidden, inter, dtype, group_size, ALLOWED_SCALES[dtype][0], activation,
-                               biases is not None)
-        tensors: dict[str, list[torch.Tensor]] = {}
-        for role, stacked in (("gate", gate), ("up", up), ("down", down)):
-            for e in range(num_experts):
-                for part, t in quantize_matrix(stacked[e], spec).items():
-                    tensors.setdefault(f"{role}.{part}", []).append(t)
-        stacked = {n: torch.stack(ts) for n, ts in tensors.items()}
-        for role, bias in zip(("gate", "up", "down"), biases or (), strict=False):
-            stacked[f"{role}.bias"] = bias.float().contiguous()
-        return cls.from_file_tensors(stacked, spec, num_partitions, rank, num_ranks)
+        """Quantizes stacked float weights (`quantize_layer`) and packs them (tests and benchmarks); `rank`,
+        `num_ranks` as in `from_file_tensors`."""
+        tensors, spec = quantize_layer(gate, up, down, dtype, group_size, activation, biases)
+        return cls.from_file_tensors(tensors, spec, num_partitions, rank, num_ranks)
+
+
+def quantize_layer(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, dtype: str, group_size: int = 0,
+                   activation: ExpertActivation = SILU,
+                   biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                   ) -> tuple[dict[str, torch.Tensor], ExpertLayerSpec]:
+    """Stacked float weights gate/up [E, I, H], down [E, H, I] as an expert file's tensors and spec, quantized to
+    `dtype`; `biases`: gate, up [E, I] and down [E, H], kept float32."""
+    num_experts, inter, hidden = gate.shape
+    spec = ExpertLayerSpec(num_experts, hidden, inter, dtype, group_size, ALLOWED_SCALES[dtype][0], activation,
+                           biases is not None)
+    tensors: dict[str, list[torch.Tensor]] = {}
+    for role, stacked in (("gate", gate), ("up", up), ("down", down)):
+        for e in range(num_experts):
+            for part, t in quantize_matrix(stacked[e], spec).items():
+                tensors.setdefault(f"{role}.{part}", []).append(t)
+    stacked = {n: torch.stack(ts) for n, ts in tensors.items()}
+    for role, bias in zip(("gate", "up", "down"), biases or (), strict=False):
+        stacked[f"{role}.bias"] = bias.float().contiguous()
+    return stacked, spec
 
 
 def partition_align(spec: ExpertLayerSpec) -> int:
