@@ -155,7 +155,7 @@ def cpu_experts_factory(layer_idx: int, config, handoff: CpuHandoff, placement: 
     instead (`hybrid.streaming`). The CPU operator is loaded later, with the rank's slice of I."""
     gpu_ids = placement.on_rank(layer_idx, rank) if placement is not None else ()
     resident = placement.gpu_experts.get(layer_idx, ()) if placement is not None else ()
-    others = tuple(e for e in resident if e not in set(gpu_ids))
+    others = tuple(sorted(set(resident) - set(gpu_ids)))  # other ranks' GPUs: computed nowhere here
     if len(resident) == config.moe.num_experts:  # the whole layer fits: no CPU part to hand anything to
         if not others:
             return device_experts_factory(layer_idx, config, is_fused)

@@ -10,12 +10,14 @@ down bias once (gpt-oss); and whole models loaded per rank from a converted dire
 from __future__ import annotations
 
 import functools
+import types
 from functools import partial
 
 import numpy as np
 import pytest
 import torch
 from checkpoints import SEEDS, make_checkpoint, qwen3_moe_config
+from gpu_support import DEVICE
 
 from cpu_experts.expert_file import SWIGLU_OAI
 from cpu_experts.operator import CpuMoE
@@ -176,22 +178,27 @@ def test_placement_refuses_mismatched_ranks():
         ExpertPlacement({0: (1, 2)}, {0: (0,)})
 
 
-def moe_config():
-    import types
-
-    moe = types.SimpleNamespace(num_experts=E, intermediate_size=I, expert_proj_names=("gate_proj", "up_proj",
-                                                                                     "down_proj"))
-    return types.SimpleNamespace(moe=moe, hidden_size=H)
+def moe_config(hidden=H, inter=I):
+    moe = types.SimpleNamespace(num_experts=E, intermediate_size=inter, expert_proj_names=("gate_proj", "up_proj",
+                                                                                         "down_proj"))
+    return types.SimpleNamespace(moe=moe, hidden_size=hidden)
 
 
-def routed_module(placement, rank, num_ranks) -> RoutedExperts:
-    """Rank `rank`'s module: its GPU share (here on this CPU, bf16 values as the CPU holds them) and CPU slice."""
-    module = cpu_experts_factory(0, moe_config(), CpuHandoff(), placement, int8_activations=False, rank=rank)
+def routed_module(placement, rank, num_ranks, weights=WEIGHTS, is_fused=False) -> RoutedExperts:
+    """Rank `rank`'s module: its GPU share (on this CPU unless `is_fused`; bf16 values as the CPU holds them) and
+    CPU slice."""
+    _, inter, hidden = weights[0].shape
+    module = cpu_experts_factory(0, moe_config(hidden, inter), CpuHandoff(), placement, int8_activations=False,
+                                 is_fused=is_fused, rank=rank)
     if module.cpu_experts is not None:
-        module.cpu_experts.load(packed("bf16", 0, PARTITIONS, rank, num_ranks))
+        tensors, spec = quantize_layer(*weights, "bf16") if weights is not WEIGHTS else quantized("bf16", 0)
+        module.cpu_experts.load(PackedLayer.from_file_tensors(tensors, spec, PARTITIONS, rank, num_ranks))
     for slot, expert in enumerate(module.gpu_expert_ids):
-        for name, stacked in zip(("gate_proj", "up_proj", "down_proj"), WEIGHTS, strict=True):
+        for name, stacked in zip(("gate_proj", "up_proj", "down_proj"), weights, strict=True):
             getattr(module, name).data[slot] = stacked[expert].bfloat16().float()
+    if is_fused:
+        module.to(DEVICE, torch.bfloat16)
+        module.fuse_gate_up()
     return module
 
 
@@ -209,13 +216,34 @@ def test_routed_experts_over_ranks_sum_to_the_layer(num_ranks, num_gpu):
         assert set(module.other_rank_expert_ids) == set(spread.gpu_experts[0]) - set(module.gpu_expert_ids)
         assert module.has_cpu_part == (num_gpu < E) and module.num_cpu_experts == E - num_gpu
     hidden, ids, w = routed(7, 4)
+    for module in modules:  # the sides' contract: a slot or -1, an id or -1 (another rank's experts: -1 on both)
+        local, cpu_ids = module._split(ids)
+        assert local is None or set(local.flatten().tolist()) <= {-1, *range(len(module.gpu_expert_ids))}
+        assert cpu_ids is None or not set(cpu_ids.flatten().tolist()) & {*spread.gpu_experts[0]}
     want = one(hidden, ids, w)
     assert_close(sum(m(hidden, ids, w) for m in modules), want)
 
 
-def test_auto_budget_counts_every_gpu():
-    import types
+@pytest.mark.parametrize("num_ranks,num_gpu", [(2, 3), (3, E)])
+def test_fused_gpu_experts_over_ranks_sum_to_the_layer(num_ranks, num_gpu):
+    """The same through the fused-MoE kernel (the GPU, or Triton's interpreter): another rank's experts are -1 to
+    it, like the CPU's. Sizes the kernel takes (H 64, I 96); bf16 outputs, so within bf16 rounding."""
+    gen = torch.Generator().manual_seed(2)
+    weights = (torch.randn(E, 96, 64, generator=gen) / 4, torch.randn(E, 96, 64, generator=gen) / 4,
+               torch.randn(E, 64, 96, generator=gen) / 4)
+    one = routed_module(ExpertPlacement.choose([0], E, num_gpu), 0, 1, weights, is_fused=True)
+    spread = ExpertPlacement.choose([0], E, num_gpu, num_ranks=num_ranks)
+    modules = [routed_module(spread, r, num_ranks, weights, is_fused=True) for r in range(num_ranks)]
+    assert all(m.is_graph_safe for m in modules)
+    hidden = torch.randn(6, 64, generator=gen).to(DEVICE, torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:TOP_K] for _ in range(6)]).to(DEVICE)
+    w = torch.rand(6, TOP_K, generator=gen).to(DEVICE)
+    want = one(hidden, ids, w).float()
+    got = sum(m(hidden, ids, w).float() for m in modules)
+    assert float((got - want).norm() / want.norm()) < 1e-2
 
+
+def test_auto_budget_counts_every_gpu():
     config = types.SimpleNamespace(hidden_size=10, moe=types.SimpleNamespace(num_experts=8, intermediate_size=20),
                                    moe_layers=[False, True, True])
     expert = 3 * 10 * 20 * 2
