@@ -74,7 +74,7 @@ def load_direct_cpu_experts(model, ckpt: Checkpoint, expert_dtype: str, num_part
     for module in progress(modules) if progress is not None else modules:
         tensors = read_layer(ckpt, model, module.layer_idx, spec, fmt.is_passthrough, num_threads)
         module.load(PackedLayer.from_file_tensors(tensors, spec, num_partitions, rank, num_ranks))
-        del tensors  # with several partitions the slices are copies: the stacked layer goes before the next one
+        del tensors  # the slices are copies (several partitions, a rank's slice): the stacked layer goes now
     return fmt
 
 
