@@ -5,7 +5,8 @@ expert is computed elsewhere and contributes nothing here) and top-k weights [T,
 [T, H] = sum_k weight[t, k] * expert_{id[t, k]}(hidden[t]) with the SiLU-gated expert MLP.
 
 Data flow: an expert file (`expert_file`: the converter's canonical layout, quantized by `formats`) -> `packed`
-(split along I into partitions, one per NUMA node from `topology`, or forced; in huge-page `memory`) ->
+(split along I into partitions, one per NUMA node from `topology`, or forced; a tensor-parallel rank keeps its
+slice of I first, on its share of the nodes, `topology.rank_nodes`; in huge-page `memory`) ->
 `operator.CpuMoE` (routing; decode: numba streaming kernels, integer `kernels_vnni` on CPUs with VNNI, else float
 `kernels`; prefill: grouped matmuls, our AMX kernels in `prefill_amx` for per-channel int8 where the CPU has AMX,
 oneDNN in `prefill_int8` elsewhere, dequantize-and-multiply in `prefill` for the other formats) ->

@@ -256,6 +256,8 @@ def _serve(tid, num_threads, ctl, flags, seen, idle_cycles, hidden, ids, weights
 def supports(op: CpuMoE) -> bool:
     """Whether the pool can serve this layer's decode steps: W8A8 int8 or int4 on the integer kernels, or a float
     format (FP8, MXFP4, NVFP4) on its decode kernels; silu or another activation with biases (gpt-oss)."""
+    if not op.layer.partitions:  # a tensor-parallel rank with an empty slice of I: the worker serves its zeros
+        return False
     return op.spec.dtype in FLOAT_KINDS or op.spec.dtype in ("int8", "int4") and op.is_w8a8 and op.is_vnni
 
 
@@ -448,12 +450,15 @@ def _layer_tables(ops: dict[int, CpuMoE]) -> tuple[np.ndarray, np.ndarray, np.nd
 
 
 def _biases(op: CpuMoE, part) -> list[np.ndarray]:
-    """gate, up [E, Ip] and down [E, H] biases of one partition's slot: the layer's, or zeros."""
+    """gate, up [E, Ip] and down [E, H] biases of one partition's slot: the layer's, or zeros (also the down bias
+    of a tensor-parallel rank other than 0, which leaves it to rank 0)."""
     spec = op.spec
+    zeros_down = np.zeros((spec.num_experts, spec.hidden_size), np.float32)
     if spec.has_bias:
-        return [np.ascontiguousarray(a) for a in (part.gate_bias, part.up_bias, op.layer.down_bias)]
+        down = zeros_down if op.layer.down_bias is None else op.layer.down_bias
+        return [np.ascontiguousarray(a) for a in (part.gate_bias, part.up_bias, down)]
     zeros = np.zeros((spec.num_experts, part.size), np.float32)
-    return [zeros, zeros, np.zeros((spec.num_experts, spec.hidden_size), np.float32)]
+    return [zeros, zeros, zeros_down]
 
 
 def _float32_bits(value: float) -> int:

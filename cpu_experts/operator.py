@@ -121,7 +121,8 @@ class CpuMoE:
         self.spec = layer.spec
         self.is_w8a8 = self.spec.dtype not in ("bf16", *FLOAT_DECODE) and int8_activations
         workspace = workspace or Workspace()
-        self.prefill, is_amx = select_prefill(layer, workspace, self.is_w8a8)
+        # a tensor-parallel rank whose slice of I is empty (`packed.rank_slice`) has no matmuls to choose for
+        self.prefill, is_amx = select_prefill(layer, workspace, self.is_w8a8) if layer.partitions else (None, False)
         if prefill_min_tokens is None:
             prefill_min_tokens = (AMX_PREFILL_MIN_TOKENS if is_amx else PREFILL_MIN_TOKENS)[self.spec.dtype]
         self.prefill_min_tokens = prefill_min_tokens
@@ -131,6 +132,9 @@ class CpuMoE:
     def __call__(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         self._check(hidden, topk_ids, topk_weights)
         routing = route(topk_ids.cpu().numpy(), topk_weights.detach().float().cpu().numpy(), self.spec.num_experts)
+        if not self.layer.partitions:  # an empty rank slice: nothing here but the down bias (rank 0 has a slice)
+            zeros = torch.zeros(hidden.shape[0], self.spec.hidden_size)
+            return self._with_bias(zeros, routing).to(hidden.dtype)
         if self.spec.dtype != "bf16" and hidden.shape[0] < self.prefill_min_tokens:
             decode = self._decode_float if self.spec.dtype in FLOAT_DECODE else \
                 self._decode_vnni if self.is_vnni else self._decode

@@ -2,10 +2,13 @@
 dimension I (one per NUMA node, or forced): partition p owns rows [start, end) of every expert's gate and up
 projections and the same columns of its down projection, so it computes a partial output that the partitions sum.
 
-Partition boundaries are multiples of the scale group along I (down's input), so each partition owns whole
-groups; with one scale per output row (per channel) every partition shares the row's scale. Arrays are numpy, C
-contiguous, in huge-page memory (`cpu_experts.memory`), in the file's dtypes (int8; packed int4, MXFP4 and NVFP4
-as uint8 with two columns per byte; FP8 e4m3 and 8-bit scales as their uint8 bits; bf16 as uint16 bits).
+With tensor parallelism, rank r of n first takes its slice of I (`rank_slice`), then cuts that slice into its
+partitions; the ranks' partial outputs add up (the block's all-reduce), so the down bias, added once, stays with
+rank 0. Partition and rank boundaries are multiples of the scale group along I (down's input), so each partition
+owns whole groups; with one scale per output row (per channel) every partition shares the row's scale. Arrays
+are numpy, C contiguous, in huge-page memory (`cpu_experts.memory`), in the file's dtypes (int8; packed int4,
+MXFP4 and NVFP4 as uint8 with two columns per byte; FP8 e4m3 and 8-bit scales as their uint8 bits; bf16 as uint16
+bits).
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ class PartitionWeights:
 class PackedLayer:
     spec: ExpertLayerSpec
     partitions: list[PartitionWeights]
-    down_bias: np.ndarray | None = None  # [E, H] float32 (whole rows: added once, after the partitions' sum)
+    down_bias: np.ndarray | None = None  # [E, H] float32 (whole rows: added once, after the partitions' sum; rank 0)
 
     @property
     def nbytes(self) -> int:
@@ -75,36 +78,66 @@ class PackedLayer:
         return self.nbytes // self.spec.num_experts
 
     @classmethod
-    def from_file_tensors(cls, tensors: dict[str, torch.Tensor], spec: ExpertLayerSpec,
-                          num_partitions: int = 1) -> PackedLayer:
-        """Slices the stacked tensors of an expert file (`gate.weight`, `gate.scales`, ...) into partitions."""
+    def from_file_tensors(cls, tensors: dict[str, torch.Tensor], spec: ExpertLayerSpec, num_partitions: int = 1,
+                          rank: int = 0, num_ranks: int = 1) -> PackedLayer:
+        """Slices the stacked tensors of an expert file (`gate.weight`, `gate.scales`, ...) into partitions: rank
+        `rank` of `num_ranks` keeps only its slice of I (`rank_slice`, copied: the caller's whole layer can go),
+        cut into `num_partitions`, and the down bias only on rank 0. A rank whose slice is empty (I shorter than
+        one aligned block per rank) gets no partitions and computes nothing but rank 0's bias."""
+        first, last = rank_slice(spec, rank, num_ranks)
         arrays = {name: _numpy(t) for name, t in tensors.items()}
-        align = max(PARTITION_ALIGN, spec.group_size)
         parts = []
-        for start, end in split_dim(spec.intermediate_size, num_partitions, align):
+        for start, end in split_dim(last - first, num_partitions, partition_align(spec)):
             if start == end:
                 continue
-            parts.append(_slice(arrays, spec, start, end))
-        return cls(spec, parts, arrays.get("down.bias"))
+            parts.append(_slice(arrays, spec, first + start, first + end))
+        return cls(spec, parts, arrays.get("down.bias") if rank == 0 else None)
 
     @classmethod
     def from_float(cls, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, dtype: str, group_size: int = 0,
                    num_partitions: int = 1, activation: ExpertActivation = SILU,
-                   biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> PackedLayer:
-        """Quantizes stacked float weights gate/up [E, I, H], down [E, H, I] (tests and benchmarks); `biases`:
-        gate, up [E, I] and down [E, H], kept float32."""
-        num_experts, inter, hidden = gate.shape
-        spec = ExpertLayerSpec(num_experts, hidden, inter, dtype, group_size, ALLOWED_SCALES[dtype][0], activation,
-                               biases is not None)
-        tensors: dict[str, list[torch.Tensor]] = {}
-        for role, stacked in (("gate", gate), ("up", up), ("down", down)):
-            for e in range(num_experts):
-                for part, t in quantize_matrix(stacked[e], spec).items():
-                    tensors.setdefault(f"{role}.{part}", []).append(t)
-        stacked = {n: torch.stack(ts) for n, ts in tensors.items()}
-        for role, bias in zip(("gate", "up", "down"), biases or (), strict=False):
-            stacked[f"{role}.bias"] = bias.float().contiguous()
-        return cls.from_file_tensors(stacked, spec, num_partitions)
+                   biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, rank: int = 0,
+                   num_ranks: int = 1) -> PackedLayer:
+        """Quantizes stacked float weights (`quantize_layer`) and packs them (tests and benchmarks); `rank`,
+        `num_ranks` as in `from_file_tensors`."""
+        tensors, spec = quantize_layer(gate, up, down, dtype, group_size, activation, biases)
+        return cls.from_file_tensors(tensors, spec, num_partitions, rank, num_ranks)
+
+
+def quantize_layer(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, dtype: str, group_size: int = 0,
+                   activation: ExpertActivation = SILU,
+                   biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                   ) -> tuple[dict[str, torch.Tensor], ExpertLayerSpec]:
+    """Stacked float weights gate/up [E, I, H], down [E, H, I] as an expert file's tensors and spec, quantized to
+    `dtype`; `biases`: gate, up [E, I] and down [E, H], kept float32."""
+    num_experts, inter, hidden = gate.shape
+    spec = ExpertLayerSpec(num_experts, hidden, inter, dtype, group_size, ALLOWED_SCALES[dtype][0], activation,
+                           biases is not None)
+    tensors: dict[str, list[torch.Tensor]] = {}
+    for role, stacked in (("gate", gate), ("up", up), ("down", down)):
+        for e in range(num_experts):
+            for part, t in quantize_matrix(stacked[e], spec).items():
+                tensors.setdefault(f"{role}.{part}", []).append(t)
+    stacked = {n: torch.stack(ts) for n, ts in tensors.items()}
+    for role, bias in zip(("gate", "up", "down"), biases or (), strict=False):
+        stacked[f"{role}.bias"] = bias.float().contiguous()
+    return stacked, spec
+
+
+def partition_align(spec: ExpertLayerSpec) -> int:
+    """Where a rank's slice or a partition of I may start: whole SIMD vectors, int4 bytes and scale groups."""
+    return max(PARTITION_ALIGN, spec.group_size)
+
+
+def rank_slice(spec: ExpertLayerSpec, rank: int = 0, num_ranks: int = 1) -> tuple[int, int]:
+    """Rows [first, last) of I that tensor-parallel rank `rank` of `num_ranks` computes for every routed expert:
+    as equal as the alignment allows, in rank order, together all of I (empty at I's end for ranks beyond its
+    aligned blocks)."""
+    if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
+        raise ValueError(f"num_ranks must be a positive integer, got {num_ranks!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < num_ranks:
+        raise ValueError(f"rank must be an integer in [0, {num_ranks}), got {rank!r}")
+    return split_dim(spec.intermediate_size, num_ranks, partition_align(spec))[rank]
 
 
 def _numpy(t: torch.Tensor) -> np.ndarray:

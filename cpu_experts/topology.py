@@ -7,6 +7,10 @@ Contract:
 - `make_partitions` turns nodes into the partitions the experts operator splits its work over: one per node by
   default, or exactly `numa_partitions` of them on any machine (contiguous CPU groups; CPUs are shared
   round-robin when there are more partitions than CPUs, so every partition has at least one CPU).
+- `rank_nodes` gives tensor-parallel rank r of n its share of the nodes: with at least n nodes, nodes r, r + n, ...;
+  with fewer, its contiguous n-th of every node's CPUs (shared round-robin on a node with fewer CPUs than ranks).
+  The rank then makes its partitions from them (`make_partitions`) and runs its kernels on their CPUs
+  (`node_cpus`), so the ranks' CPU sets are disjoint wherever the machine has a CPU per rank.
 - `split_dim` cuts [0, size) into `num_parts` ordered contiguous slices whose inner boundaries are multiples of
   `align` (or equal `size`, for empty trailing slices), as equal as possible.
 - `pin_current_thread` pins the calling thread where the OS supports it and is a no-op elsewhere.
@@ -114,6 +118,32 @@ def make_partitions(nodes: list[NumaNode], num_partitions: int | None = None) ->
     else:
         groups = [tuple(order[start:end]) for start, end in split_dim(len(order), num_partitions)]
     return [Partition(i, node_of[group[0]], group) for i, group in enumerate(groups)]
+
+
+def rank_nodes(nodes: list[NumaNode], rank: int = 0, num_ranks: int = 1) -> list[NumaNode]:
+    """The NUMA nodes, or parts of nodes, that tensor-parallel rank `rank` of `num_ranks` drives (module docstring);
+    one rank: `nodes` themselves. Call it on the machine's nodes (`discover_nodes` before any rank pins itself)."""
+    if not nodes:
+        raise ValueError("rank_nodes needs at least one NUMA node")
+    if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
+        raise ValueError(f"num_ranks must be a positive integer, got {num_ranks!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < num_ranks:
+        raise ValueError(f"rank must be an integer in [0, {num_ranks}), got {rank!r}")
+    if len(nodes) >= num_ranks:
+        return list(nodes[rank::num_ranks])
+    shares = []
+    for node in nodes:
+        if len(node.cpus) < num_ranks:  # oversubscribed on purpose (e.g. tp=3 on a 2-CPU test machine)
+            shares.append(NumaNode(node.id, (node.cpus[rank % len(node.cpus)],)))
+            continue
+        start, end = split_dim(len(node.cpus), num_ranks)[rank]
+        shares.append(NumaNode(node.id, node.cpus[start:end]))
+    return shares
+
+
+def node_cpus(nodes: list[NumaNode]) -> tuple[int, ...]:
+    """Every CPU of `nodes`, sorted: a rank's CPU set (`rank_nodes`)."""
+    return tuple(sorted({cpu for node in nodes for cpu in node.cpus}))
 
 
 def split_dim(size: int, num_parts: int, align: int = 1) -> list[tuple[int, int]]:

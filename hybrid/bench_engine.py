@@ -131,7 +131,7 @@ def expert_bytes_per_step(llm: LLM, num_tokens: int) -> float:
     cpu-moe`'s). GPU-resident experts (`gpu_experts`) are not read by the CPU."""
     num_experts, top_k = llm.config.moe.num_experts, llm.config.moe.top_k
     is_routed = 1 - (1 - top_k / num_experts) ** num_tokens  # chance that a given expert gets a token
-    return sum(m.cpu_experts.op.layer.expert_bytes() * (num_experts - len(m.gpu_expert_ids)) * is_routed
+    return sum(m.cpu_experts.op.layer.expert_bytes() * m.num_cpu_experts * is_routed
                for m in llm.model.modules() if isinstance(m, RoutedExperts) and m.has_cpu_part)
 
 

@@ -100,9 +100,11 @@ class ConvertedExperts:
         return weight if spec.dtype == "bf16" else dequantize_matrix(weight, scales, role, spec, tensor_scale)
 
 
-def load_cpu_experts(model, experts: ConvertedExperts, num_partitions: int, progress=None) -> None:
-    """Hands every `CpuExperts` module of `model` its layer's packed weights, split into `num_partitions`.
-    `progress`: wraps the list of modules (a progress bar)."""
+def load_cpu_experts(model, experts: ConvertedExperts, num_partitions: int, progress=None, rank: int = 0,
+                     num_ranks: int = 1) -> None:
+    """Hands every `CpuExperts` module of `model` its layer's packed weights, split into `num_partitions`; a
+    tensor-parallel rank keeps only its slice of I (`cpu_experts.packed.rank_slice`: each layer is read whole, then
+    sliced and dropped). `progress`: wraps the list of modules (a progress bar)."""
     topology.set_worker_spin()
     modules = [module for module in model.modules() if isinstance(module, CpuExperts)]
     for module in progress(modules) if progress is not None else modules:
@@ -112,13 +114,17 @@ def load_cpu_experts(model, experts: ConvertedExperts, num_partitions: int, prog
         file, spec = experts.layers[module.layer_idx]
         tensors = {name: file.read_into(name, memory.empty_tensor(shape, dtype))
                    for name, (shape, dtype) in spec.tensor_shapes().items()}
-        module.load(PackedLayer.from_file_tensors(tensors, spec, num_partitions))
+        module.load(PackedLayer.from_file_tensors(tensors, spec, num_partitions, rank, num_ranks))
+        del tensors  # where the partitions are copies, the whole layer goes before the next one is read
 
 
-def cpu_executor(model, max_tokens: int, dtype: torch.dtype, num_threads: int | None = None) -> AsyncExperts | None:
+def cpu_executor(model, max_tokens: int, dtype: torch.dtype, num_threads: int | None = None,
+                 worker_cpus: tuple[int, ...] | None = None) -> AsyncExperts | None:
     """One asynchronous executor for every `CpuExperts` of `model` (they run one layer at a time; the model's
     `CpuHandoff` submits to it), so the MoE blocks overlap their shared expert with the CPU's routed experts; None
-    if the model has none. `num_threads`: of the kernels' pool (`cpu_experts.topology.use_kernel_threads`)."""
+    if the model has none. `num_threads`: of the kernels' pool (`cpu_experts.topology.use_kernel_threads`);
+    `worker_cpus`: the CPUs its thread, the kernels' pool it starts and the CUDA graphs' decode pool run on (a
+    tensor-parallel rank's, `topology.rank_nodes`); None: wherever the process may run."""
     modules = {m.layer_idx: m for m in model.modules() if isinstance(m, CpuExperts)}
     if not modules:
         return None
@@ -127,4 +133,5 @@ def cpu_executor(model, max_tokens: int, dtype: torch.dtype, num_threads: int | 
     def compute(layer, hidden, topk_ids, topk_weights, out):
         modules[layer].compute(hidden, topk_ids, topk_weights, out)
 
-    return AsyncExperts(compute, max_tokens, config.hidden_size, config.moe.top_k, dtype, num_threads=num_threads)
+    return AsyncExperts(compute, max_tokens, config.hidden_size, config.moe.top_k, dtype, worker_cpus=worker_cpus,
+                        num_threads=num_threads)

@@ -111,7 +111,8 @@ class CudaGraphRunner:
         ops = {m.layer_idx: m.op for m in self.cpu_modules}
         if not all(supports(op) for op in ops.values()):
             return None
-        return DecodePool(self.worker, ops, allowed_cpus()[:executor.num_threads or len(allowed_cpus())])
+        cpus = executor.worker_cpus or allowed_cpus()  # a tensor-parallel rank's own CPUs, else the process's
+        return DecodePool(self.worker, ops, cpus[:executor.num_threads or len(cpus)])
 
     def _arm(self, size: int) -> None:
         if self.worker is not None:

@@ -57,9 +57,12 @@ def expert_format(model, ckpt: Checkpoint, expert_dtype: str) -> ExpertFormat:
 
 
 def load_direct_cpu_experts(model, ckpt: Checkpoint, expert_dtype: str, num_partitions: int,
-                            num_threads: int | None = None, progress=None) -> ExpertFormat:
+                            num_threads: int | None = None, progress=None, rank: int = 0,
+                            num_ranks: int = 1) -> ExpertFormat:
     """Gives every `CpuExperts` of `model` its layer's experts read from `ckpt` (module docstring); returns the
-    format chosen. `progress`: wraps the list of modules (a progress bar)."""
+    format chosen. A tensor-parallel rank keeps only its slice of I (`cpu_experts.packed.rank_slice`): the layer
+    is read and quantized whole (a per-channel scale spans all of I), then sliced. `progress`: wraps the list of
+    modules (a progress bar)."""
     topology.set_worker_spin()
     fmt = expert_format(model, ckpt, expert_dtype)
     note = fmt.note("expert_dtype='auto' (--expert-dtype auto)")
@@ -70,8 +73,8 @@ def load_direct_cpu_experts(model, ckpt: Checkpoint, expert_dtype: str, num_part
     num_threads = num_threads or len(topology.allowed_cpus())
     for module in progress(modules) if progress is not None else modules:
         tensors = read_layer(ckpt, model, module.layer_idx, spec, fmt.is_passthrough, num_threads)
-        module.load(PackedLayer.from_file_tensors(tensors, spec, num_partitions))
-        del tensors  # with several partitions the slices are copies: the stacked layer goes before the next one
+        module.load(PackedLayer.from_file_tensors(tensors, spec, num_partitions, rank, num_ranks))
+        del tensors  # the slices are copies (several partitions, a rank's slice): the stacked layer goes now
     return fmt
 
 

@@ -24,6 +24,7 @@ from hybrid import converted, direct_experts
 from hybrid.checkpoint import Checkpoint, dequantize_fp8_block
 from hybrid.errors import CheckpointError
 from hybrid.layers.quantized_linear import place_quantized_linears
+from hybrid.routed_experts import other_rank_expert_names
 
 __all__ = ["load_weights", "open_sources", "check_names", "dequantize_fp8_block"]
 
@@ -56,17 +57,21 @@ def open_sources(model, checkpoint_dir: str | Path, keep_quantized: bool = False
             raise CheckpointError(f"{checkpoint_dir}: missing tensor '{missing[0]}'"
                                   + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
         sources = {name: source for name, source in sources.items() if name not in direct}
+    elsewhere = other_rank_expert_names(model)  # tensor parallel: other ranks' GPU experts, which they load
+    if elsewhere:
+        sources = {name: source for name, source in sources.items() if name not in elsewhere}
     check_names(checkpoint_dir, model, set(sources))
     return sources, experts, ckpt
 
 
 def load_weights(model, checkpoint_dir: str | Path, num_partitions: int = 1, keep_quantized: bool = False,
-                 progress: bool | None = None, expert_dtype: str = "int8") -> None:
+                 progress: bool | None = None, expert_dtype: str = "int8", rank: int = 0, num_ranks: int = 1) -> None:
     """Copies every checkpoint tensor into `model` (a `MoECausalLM`), checking names and shapes first; CPU
     experts receive their layers split into `num_partitions`: a converted directory's packed files, or a plain
     checkpoint's experts as `hybrid.direct_experts` reads them (`expert_dtype`: EngineConfig's). `keep_quantized`
     (the Triton ops in bf16/fp16): quantized dense weights the kernels take stay as stored. `progress`: progress
-    bars on stderr (None: when stderr is a terminal)."""
+    bars on stderr (None: when stderr is a terminal). `rank` of `num_ranks` (tensor parallel): the CPU experts keep
+    the rank's slice of I (`cpu_experts.packed.rank_slice`)."""
     sources, experts, ckpt = open_sources(model, checkpoint_dir, keep_quantized)
     targets = model.checkpoint_targets()
     present = sorted(name for name in sources if not model.is_ignored_tensor(name))
@@ -84,9 +89,10 @@ def load_weights(model, checkpoint_dir: str | Path, num_partitions: int = 1, kee
             targets[name].copy_(tensor)
     bar = lambda layers: _progress(layers, "loading CPU experts", "layer", progress)  # noqa: E731
     if experts is not None:
-        converted.load_cpu_experts(model, experts, num_partitions, bar)
+        converted.load_cpu_experts(model, experts, num_partitions, bar, rank, num_ranks)
     elif direct_experts.cpu_layers(model):
-        direct_experts.load_direct_cpu_experts(model, ckpt, expert_dtype, num_partitions, progress=bar)
+        direct_experts.load_direct_cpu_experts(model, ckpt, expert_dtype, num_partitions, progress=bar, rank=rank,
+                                               num_ranks=num_ranks)
 
 
 def _progress(items, description: str, unit: str, progress: bool | None):

@@ -3,13 +3,18 @@
 
 `ExpertPlacement.choose` keeps, per MoE layer, the `num_gpu_experts` experts routed to most often (counts from a
 routing-statistics file, `RoutingStats`, JSON {"layers": {"3": [count per expert], ...}}), or the first ones when
-there are no statistics (routing is then taken as uniform, where any choice is as good).
+there are no statistics (routing is then taken as uniform, where any choice is as good). With tensor parallelism
+(expert parallel for the GPU-resident experts) the chosen experts are dealt out over the ranks' GPUs, whole
+experts, most routed first, round-robin (so the ranks' shares of the traffic are close and their counts differ by
+at most one); every rank holds the same placement, computes its own GPU experts (`on_rank`) and leaves all the
+GPU-resident ones, on any rank, out of its CPU part.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -65,33 +70,58 @@ class RoutingRecorder:
 @dataclass(frozen=True)
 class ExpertPlacement:
     gpu_experts: dict[int, tuple[int, ...]]  # MoE layer -> the global ids of its GPU-resident experts, sorted
+    # MoE layer -> the rank whose GPU holds each of gpu_experts[layer], in its order; a layer absent: all on rank 0
+    expert_ranks: dict[int, tuple[int, ...]] = field(default_factory=dict)
+
+    def __post_init__(self):
+        for layer, ranks in self.expert_ranks.items():
+            if len(ranks) != len(self.gpu_experts.get(layer, ())):
+                raise ValueError(f"ExpertPlacement.expert_ranks[{layer}] has {len(ranks)} ranks for "
+                                 f"{len(self.gpu_experts.get(layer, ()))} GPU-resident experts")
 
     @classmethod
     def choose(cls, moe_layers: list[int], num_experts: int, num_gpu_experts: int,
-               stats: RoutingStats | None = None) -> ExpertPlacement:
+               stats: RoutingStats | None = None, num_ranks: int = 1) -> ExpertPlacement:
+        """`num_gpu_experts` per layer over all `num_ranks` GPUs together (module docstring)."""
         if not 0 <= num_gpu_experts <= num_experts:
             raise ValueError(f"gpu_experts must be in [0, {num_experts}] (experts per layer), got {num_gpu_experts}")
-        chosen = {}
+        if num_ranks < 1:
+            raise ValueError(f"num_ranks must be at least 1, got {num_ranks}")
+        chosen, ranks = {}, {}
         for layer in moe_layers:
             counts = (stats.counts.get(layer) if stats else None) or [0] * num_experts
             if len(counts) != num_experts:
                 raise ValueError(f"routing statistics of layer {layer} have {len(counts)} experts, the model "
                                  f"{num_experts}")
             ranked = sorted(range(num_experts), key=lambda e: (-counts[e], e))  # most routed first, ties by id
-            chosen[layer] = tuple(sorted(ranked[:num_gpu_experts]))
-        return cls(chosen)
+            owner = {e: i % num_ranks for i, e in enumerate(ranked[:num_gpu_experts])}
+            chosen[layer] = tuple(sorted(owner))
+            if num_ranks > 1:
+                ranks[layer] = tuple(owner[e] for e in chosen[layer])
+        return cls(chosen, ranks)
+
+    def on_rank(self, layer: int, rank: int = 0) -> tuple[int, ...]:
+        """The global ids, sorted, of layer `layer`'s experts on rank `rank`'s GPU."""
+        experts = self.gpu_experts.get(layer, ())
+        ranks = self.expert_ranks.get(layer, (0,) * len(experts))
+        return tuple(e for e, r in zip(experts, ranks, strict=True) if r == rank)
 
 
-def auto_gpu_experts(config, budget_bytes: int, used_bytes: int, reserve_bytes: int, element_size: int) -> int:
+def auto_gpu_experts(config, budget_bytes: int | Sequence[int], used_bytes: int, reserve_bytes: int,
+                     element_size: int) -> int:
     """`gpu_experts=auto`: how many routed experts per MoE layer fit in `budget_bytes` of device memory once
-    `used_bytes` (dense weights, KV cache) and `reserve_bytes` (activations, graphs) are taken; in [0, E]."""
+    `used_bytes` (dense weights, KV cache) and `reserve_bytes` (activations, graphs) are taken; in [0, E].
+    Tensor parallel: `budget_bytes` lists every rank's GPU budget (used and reserve are each rank's own); the
+    count, over all GPUs, is what `ExpertPlacement.choose` deals out, so every rank holds at most its fill of the
+    GPU with the least room. Every rank must pass the same list (they must agree on the placement)."""
     moe = config.moe
     num_moe_layers = sum(config.moe_layers)
-    if num_moe_layers == 0:
+    budgets = list(budget_bytes) if isinstance(budget_bytes, Sequence) else [budget_bytes]
+    if num_moe_layers == 0 or not budgets:
         return 0
     expert_bytes = 3 * config.hidden_size * moe.intermediate_size * element_size  # gate, up, down
-    free = budget_bytes - used_bytes - reserve_bytes
-    return max(0, min(moe.num_experts, free // (expert_bytes * num_moe_layers)))
+    per_rank = min(budget - used_bytes - reserve_bytes for budget in budgets) // (expert_bytes * num_moe_layers)
+    return max(0, min(moe.num_experts, len(budgets) * per_rank))
 
 
 def activation_bytes(config, max_tokens: int) -> int:

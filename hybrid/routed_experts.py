@@ -10,35 +10,50 @@ from the checkpoint or the expert files. Per step: ids -> local GPU slots (or -1
 is submitted first, through the model's one `CpuHandoff` in the step mode the runner set, or, for an eager step of
 at least `gpu_prefill_tokens` tokens, computed on the GPU from streamed weights (`hybrid.streaming`); then the GPU
 part is computed while the CPU works; the two outputs add up.
+
+Tensor parallel (expert parallel on the GPUs): a rank's module holds its own share of the GPU-resident experts
+(`gpu_expert_ids`) and knows the other ranks' (`other_rank_expert_ids`), which it computes nowhere; its CPU part
+is its slice of I of every expert resident on no GPU (`cpu_experts.packed.rank_slice`). Its output is then a
+partial sum, which the block's one all-reduce completes.
 """
 
 from __future__ import annotations
 
 import torch
 
+from cpu_experts.expert_file import ROLES
 from cpu_experts.module import CpuExperts
 from hybrid.cpu_handoff import CpuHandoff, StepMode
 from hybrid.layers.moe import TritonExperts, fused_expert_targets
 from hybrid.placement import ExpertPlacement
 from hybrid.streaming import StreamedPrefill
 
+OTHER_RANK = -2  # `local_slot` of an expert on another tensor-parallel rank's GPU
+
 
 class RoutedExperts(TritonExperts):
     """`is_fused`: the GPU-resident experts run through the fused-MoE kernel (gate and up stacked after loading,
-    `TritonExperts`), else through the PyTorch reference. `cpu_experts` None: every expert is GPU-resident."""
+    `TritonExperts`), else through the PyTorch reference. `cpu_experts` None: every expert is GPU-resident, here or
+    (`other_rank_expert_ids`) on another tensor-parallel rank's GPU."""
 
     def __init__(self, layer_idx: int, config, gpu_expert_ids: tuple[int, ...], cpu: CpuExperts | None = None,
-                 handoff: CpuHandoff | None = None, is_fused: bool = False, streamed: StreamedPrefill | None = None):
+                 handoff: CpuHandoff | None = None, is_fused: bool = False, streamed: StreamedPrefill | None = None,
+                 other_rank_expert_ids: tuple[int, ...] = ()):
         moe = config.moe
         super().__init__(len(gpu_expert_ids), config.hidden_size, moe.intermediate_size, moe.expert_proj_names)
-        if cpu is None and len(gpu_expert_ids) != moe.num_experts:
-            raise ValueError(f"layer {layer_idx}: {len(gpu_expert_ids)} of {moe.num_experts} experts on the GPU "
-                             "and no CPU operator for the rest")
+        if set(gpu_expert_ids) & set(other_rank_expert_ids):
+            raise ValueError(f"layer {layer_idx}: experts {sorted(set(gpu_expert_ids) & set(other_rank_expert_ids))} "
+                             "are both on this rank's GPU and on another's")
+        num_resident = len(gpu_expert_ids) + len(other_rank_expert_ids)
+        if cpu is None and (num_resident != moe.num_experts or not gpu_expert_ids):
+            raise ValueError(f"layer {layer_idx}: {len(gpu_expert_ids)} of {moe.num_experts} experts on this GPU, "
+                             f"{len(other_rank_expert_ids)} on other ranks' and no CPU operator for the rest")
         if cpu is not None and handoff is None:
             raise ValueError(f"layer {layer_idx}: CPU experts need the model's CpuHandoff")
         self.layer_idx = layer_idx
         self.num_experts = moe.num_experts
         self.gpu_expert_ids = gpu_expert_ids
+        self.other_rank_expert_ids = other_rank_expert_ids
         self.is_fused = is_fused
         self.cpu_experts = cpu
         self.handoff = handoff
@@ -51,6 +66,11 @@ class RoutedExperts(TritonExperts):
         return self.cpu_experts is not None
 
     @property
+    def num_cpu_experts(self) -> int:
+        """The layer's experts resident on no GPU (of which a tensor-parallel rank computes its slice of I)."""
+        return self.num_experts - len(self.gpu_expert_ids) - len(self.other_rank_expert_ids)
+
+    @property
     def is_graph_safe(self) -> bool:
         """The CPU part goes through the graph hand-off; a GPU part must run on the fused kernel."""
         return not self.gpu_expert_ids or self.w_gate_up is not None
@@ -58,6 +78,7 @@ class RoutedExperts(TritonExperts):
     def _slots(self) -> torch.Tensor:
         slots = torch.full((self.num_experts,), -1, dtype=torch.int64, device="cpu")
         slots[list(self.gpu_expert_ids)] = torch.arange(len(self.gpu_expert_ids))
+        slots[list(self.other_rank_expert_ids)] = OTHER_RANK
         return slots
 
     def reset_buffers(self) -> None:
@@ -80,14 +101,17 @@ class RoutedExperts(TritonExperts):
             super().fuse_gate_up()
 
     def _split(self, topk_ids: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """topk_ids [T, K] -> (GPU slots or -1, CPU ids or -1), each None where that side has no experts."""
-        if not self.has_cpu_part:
-            return topk_ids, None
-        if not self.gpu_expert_ids:
-            return None, topk_ids
+        """topk_ids [T, K] -> (GPU slots or -1, CPU ids or -1), each None where that side has no experts; another
+        rank's GPU experts are -1 on both sides."""
+        if not self.other_rank_expert_ids:  # one GPU, or this layer's experts on no other rank's
+            if not self.has_cpu_part:
+                return topk_ids, None
+            if not self.gpu_expert_ids:
+                return None, topk_ids
         ids = topk_ids.long()
-        local = torch.where(ids >= 0, self.local_slot[ids.clamp_min(0)], -1)
-        return local, torch.where(local >= 0, -1, ids)
+        slot = torch.where(ids >= 0, self.local_slot[ids.clamp_min(0)], -1)  # >= 0, -1 (CPU) or OTHER_RANK
+        local = slot.clamp_min(-1) if self.gpu_expert_ids else None
+        return local, torch.where(slot == -1, ids, -1) if self.has_cpu_part else None
 
     def submit(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
         if self._pending is not None:
@@ -126,12 +150,25 @@ def device_experts_factory(layer_idx: int, config, is_fused: bool = False) -> Ro
 
 def cpu_experts_factory(layer_idx: int, config, handoff: CpuHandoff, placement: ExpertPlacement | None = None,
                         int8_activations: bool = True, is_fused: bool = False, min_streamed_tokens: int = 0,
-                        device: torch.device | str = "cpu") -> RoutedExperts:
-    """The CPU operator for the layer's experts, less those `placement` keeps on the GPU; `min_streamed_tokens` > 0:
-    eager steps of that many tokens stream the CPU experts' weights to `device` instead (`hybrid.streaming`)."""
-    gpu_ids = placement.gpu_experts.get(layer_idx, ()) if placement is not None else ()
-    if len(gpu_ids) == config.moe.num_experts:  # the whole layer fits: no CPU part to hand anything to
-        return device_experts_factory(layer_idx, config, is_fused)
+                        device: torch.device | str = "cpu", rank: int = 0) -> RoutedExperts:
+    """The CPU operator for the layer's experts, less those `placement` keeps on the GPUs (rank `rank`'s on its
+    own); `min_streamed_tokens` > 0: eager steps of that many tokens stream the CPU experts' weights to `device`
+    instead (`hybrid.streaming`). The CPU operator is loaded later, with the rank's slice of I."""
+    gpu_ids = placement.on_rank(layer_idx, rank) if placement is not None else ()
+    resident = placement.gpu_experts.get(layer_idx, ()) if placement is not None else ()
+    others = tuple(sorted(set(resident) - set(gpu_ids)))  # other ranks' GPUs: computed nowhere here
+    if len(resident) == config.moe.num_experts:  # the whole layer fits: no CPU part to hand anything to
+        if not others:
+            return device_experts_factory(layer_idx, config, is_fused)
+        return RoutedExperts(layer_idx, config, gpu_ids, is_fused=is_fused, other_rank_expert_ids=others)
     cpu = CpuExperts(layer_idx, int8_activations=int8_activations)
     streamed = StreamedPrefill(cpu, min_streamed_tokens, device) if min_streamed_tokens else None
-    return RoutedExperts(layer_idx, config, gpu_ids, cpu, handoff, is_fused, streamed)
+    return RoutedExperts(layer_idx, config, gpu_ids, cpu, handoff, is_fused, streamed, others)
+
+
+def other_rank_expert_names(model) -> set[str]:
+    """The checkpoint names of the routed experts that other tensor-parallel ranks' GPUs hold (per-expert names:
+    fused storage names a layer's experts together, and every rank reads its own out of it), which this rank's
+    load leaves alone."""
+    return {model.routed_expert_name(m.layer_idx, e, role) for m in model.modules() if isinstance(m, RoutedExperts)
+            for e in m.other_rank_expert_ids for role in ROLES}

@@ -178,7 +178,7 @@ class StreamedPrefill:
         if self.cpu_experts.op is None:
             return False
         layer = self.cpu_experts.op.layer
-        return layer.spec.dtype in STREAMED_DTYPES and layer.spec.hidden_size % 16 == 0 \
+        return layer.spec.dtype in STREAMED_DTYPES and layer.spec.hidden_size % 16 == 0 and bool(layer.partitions) \
             and all(p.size % 16 == 0 for p in layer.partitions)
 
     def attach(self, stream: ExpertStream, chunk_bytes: int | None = None, pin: bool = True) -> int:
@@ -213,7 +213,8 @@ class StreamedPrefill:
             gate_up_bias = down_bias = None
             if spec.has_bias:  # gate/up rows of this partition; the down bias once per expert, with partition 0
                 gate_up_bias = torch.cat([arrays["gate_bias"], arrays["up_bias"]], dim=1)  # [c, 2Ip]
-                down_bias = self._down_bias(hidden.device)[unit.first:unit.last] if unit.partition == 0 else None
+                down_bias = self._down_bias(hidden.device)[unit.first:unit.last] \
+                    if unit.partition == 0 and self.cpu_experts.op.layer.down_bias is not None else None  # rank 0
             part = fused_moe(hidden, gate_up, down, ids - unit.first, weights, activation=activation,
                              w_gate_up_bias=gate_up_bias, w_down_bias=down_bias).float()
             self.stream.release(index)

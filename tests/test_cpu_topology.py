@@ -1,4 +1,5 @@
-"""NUMA discovery from a fake sysfs tree, cpulist parsing, CPU partitions and split_dim."""
+"""NUMA discovery from a fake sysfs tree, cpulist parsing, CPU partitions, tensor-parallel ranks' shares of the
+nodes and split_dim."""
 
 import os
 
@@ -9,8 +10,10 @@ from cpu_experts.topology import (
     Partition,
     discover_nodes,
     make_partitions,
+    node_cpus,
     parse_cpulist,
     pin_current_thread,
+    rank_nodes,
     split_dim,
 )
 
@@ -102,6 +105,47 @@ def test_make_partitions_rejects_invalid_count(bad):
 def test_make_partitions_needs_nodes():
     with pytest.raises(ValueError, match="at least one NUMA node"):
         make_partitions([])
+
+
+def _nodes(num_nodes: int, cpus_per_node: int) -> list[NumaNode]:
+    return [NumaNode(n, tuple(range(n * cpus_per_node, (n + 1) * cpus_per_node))) for n in range(num_nodes)]
+
+
+@pytest.mark.parametrize("num_nodes", [1, 2, 4])
+@pytest.mark.parametrize("num_ranks", [2, 3])
+def test_rank_nodes_are_disjoint_and_cover_the_machine(num_nodes, num_ranks):
+    """Each rank its own CPUs, every CPU some rank's; whole nodes (each rank the same count) where there are at
+    least as many nodes as ranks, else a contiguous share of every node."""
+    nodes = _nodes(num_nodes, 8)
+    shares = [rank_nodes(nodes, r, num_ranks) for r in range(num_ranks)]
+    cpus = [node_cpus(share) for share in shares]
+    assert sorted(c for rank in cpus for c in rank) == list(range(8 * num_nodes))  # disjoint, covering
+    if num_nodes >= num_ranks:
+        assert all(node in nodes for share in shares for node in share)  # whole nodes
+        assert [[n.id for n in share] for share in shares] == [list(range(r, num_nodes, num_ranks))
+                                                               for r in range(num_ranks)]
+    else:
+        assert all([n.id for n in share] == list(range(num_nodes)) for share in shares)  # a part of every node
+        for share in shares:
+            assert all(n.cpus == tuple(range(n.cpus[0], n.cpus[-1] + 1)) for n in share)  # contiguous
+        assert max(map(len, cpus)) - min(map(len, cpus)) <= num_nodes
+    assert [len(make_partitions(share)) for share in shares] == [len(share) for share in shares]  # one per node
+    assert rank_nodes(nodes) == nodes
+
+
+def test_rank_nodes_on_fewer_cpus_than_ranks_share_round_robin():
+    """tp=3 on a 2-CPU machine (the CI's): every rank still has a CPU."""
+    nodes = [NumaNode(0, (4, 9))]
+    assert [node_cpus(rank_nodes(nodes, r, 3)) for r in range(3)] == [(4,), (9,), (4,)]
+    assert [node_cpus(rank_nodes(_nodes(2, 2), r, 2)) for r in range(2)] == [(0, 1), (2, 3)]
+
+
+@pytest.mark.parametrize("rank,num_ranks", [(2, 2), (-1, 2), (0, 0), (True, 2), (0, 1.5)])
+def test_rank_nodes_rejects_bad_ranks(rank, num_ranks):
+    with pytest.raises(ValueError, match="rank"):
+        rank_nodes(NODES, rank, num_ranks)
+    with pytest.raises(ValueError, match="at least one NUMA node"):
+        rank_nodes([], 0, 1)
 
 
 def _check_split(size, parts, align):

@@ -27,9 +27,10 @@ E, H, I, TOP_K = 8, 160, 200, 3  # noqa: E741 (the shape letters of the project)
 
 
 def make_ops(group: int, partitions: int, layers=(0, 2, 3), dtype: str = "int8",
-             is_gpt_oss: bool = False) -> dict[int, CpuMoE]:
+             is_gpt_oss: bool = False, rank: int = 0, num_ranks: int = 1) -> dict[int, CpuMoE]:
     """dtype "int8", "int4", "int4 bf16" (int4 with bfloat16 scales, as Kimi-K2's checkpoints store them), "fp8",
-    "mxfp4" or "nvfp4". `is_gpt_oss`: gpt-oss's activation with random biases, gate/up past its clamp."""
+    "mxfp4" or "nvfp4". `is_gpt_oss`: gpt-oss's activation with random biases, gate/up past its clamp. `rank` of
+    `num_ranks`: that tensor-parallel rank's slice of I."""
     ops = {}
     for layer in layers:
         gen = torch.Generator().manual_seed(layer)
@@ -41,7 +42,8 @@ def make_ops(group: int, partitions: int, layers=(0, 2, 3), dtype: str = "int8",
             extra = dict(activation=SWIGLU_OAI, biases=(torch.randn(E, I, generator=gen),
                                                         torch.randn(E, I, generator=gen),
                                                         torch.randn(E, H, generator=gen)))
-        packed = PackedLayer.from_float(*ws, dtype.split()[0], group, partitions, **extra)
+        packed = PackedLayer.from_float(*ws, dtype.split()[0], group, partitions, rank=rank, num_ranks=num_ranks,
+                                        **extra)
         if dtype == "int4 bf16":
             packed = _bf16_scales(packed, group, partitions)
         op = CpuMoE(packed, prefill_min_tokens=8)
@@ -128,6 +130,38 @@ def test_gpt_oss_steps_equal_the_operator(group, partitions, dtype):
     finally:
         pool.close()
         executor.close()
+
+
+@pytest.mark.parametrize("rank,num_ranks,group,dtype,is_gpt_oss", [
+    (1, 2, 0, "int8", True), (2, 3, 32, "int4", False), (1, 3, 64, "int8", False), (1, 2, 32, "mxfp4", True)])
+def test_a_ranks_slice_steps_equal_the_operator(rank, num_ranks, group, dtype, is_gpt_oss):
+    """A tensor-parallel rank's slice of I (partitions starting past 0, a short last one; gpt-oss's down bias left
+    to rank 0) served by the pool equals the rank's operator bit for bit."""
+    ops = make_ops(group, 2, layers=(0, 2), dtype=dtype, is_gpt_oss=is_gpt_oss, rank=rank, num_ranks=num_ranks)
+    assert all(supports(op) and op.layer.partitions[0].start > 0 and op.layer.down_bias is None
+               for op in ops.values())
+    pool, executor = make_pool(ops, 2)
+    try:
+        for step, num_tokens in enumerate([1, 5]):
+            hidden, ids, weights = inputs(num_tokens, step)
+            pool.arm(num_tokens, 2)
+            outputs = play_gpu(pool.worker, [0, 2], hidden, ids, weights)
+            pool.finish_step()
+            for layer, got in zip([0, 2], outputs, strict=True):
+                want = ops[layer](hidden * (layer + 1), ids, weights)
+                torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"step {step} layer {layer}")
+    finally:
+        pool.close()
+        executor.close()
+
+
+def test_an_empty_rank_is_left_to_the_worker():
+    """A rank whose slice of I is empty (I = 200 has 7 blocks of 32: nothing for an eighth rank) computes zeros in
+    the operator and is not the pool's."""
+    op = make_ops(0, 1, layers=(0,), rank=7, num_ranks=8)[0]
+    assert not op.layer.partitions and not supports(op)
+    hidden, ids, weights = inputs(3, 0)
+    assert torch.equal(op(hidden, ids, weights), torch.zeros(3, H))
 
 
 def test_bad_id_and_missing_layer_reported_then_next_step_served():

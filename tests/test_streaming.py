@@ -36,9 +36,10 @@ def converted(source, tmp_path, *args):
 
 
 def cpu_layer(seed: int, dtype: str, group_size: int, num_experts=7, hidden_size=64, inter=96,
-              is_gpt_oss: bool = False) -> CpuExperts:
+              is_gpt_oss: bool = False, rank: int = 0, num_ranks: int = 1) -> CpuExperts:
     """A CpuExperts over random experts in two partitions, computing in float (exact to the stored weights);
-    `is_gpt_oss`: gpt-oss's clamped activation with random biases, gate/up large enough to reach the clamp."""
+    `is_gpt_oss`: gpt-oss's clamped activation with random biases, gate/up large enough to reach the clamp;
+    `rank` of `num_ranks`: that tensor-parallel rank's slice of I."""
     g = torch.Generator().manual_seed(seed)
     gain = 1.5 if is_gpt_oss else 1 / 8
     gate, up = (torch.randn(num_experts, inter, hidden_size, generator=g) * gain for _ in range(2))
@@ -49,7 +50,8 @@ def cpu_layer(seed: int, dtype: str, group_size: int, num_experts=7, hidden_size
                                                     torch.randn(num_experts, inter, generator=g),
                                                     torch.randn(num_experts, hidden_size, generator=g)))
     module = CpuExperts(0, int8_activations=False)
-    module.load(PackedLayer.from_float(gate, up, down, dtype, group_size, num_partitions=2, **extra))
+    module.load(PackedLayer.from_float(gate, up, down, dtype, group_size, num_partitions=2, rank=rank,
+                                       num_ranks=num_ranks, **extra))
     assert len(module.op.layer.partitions) == 2
     return module
 
@@ -127,6 +129,20 @@ def test_streamed_gpt_oss_layer_keeps_its_activation_and_biases(dtype, group_siz
     assert close(on_device(streamed, hidden, ids, weights), want)
     plain = cpu_layer(1, dtype, group_size)  # the silu layer of other weights: far off, so the check can fail
     assert not close(plain.op(hidden, ids, weights), want)
+
+
+def test_streamed_rank_slices_add_up_with_the_down_bias_once():
+    """Tensor parallel: each rank streams its slice of I (I = 160: rows [0, 96) and [96, 160), two partitions
+    each); the down bias comes with rank 0's units only, so the ranks' outputs add up to the whole layer's."""
+    whole = cpu_layer(1, "int8", 0, inter=160, is_gpt_oss=True)
+    hidden, ids, weights = routed(19)
+    outputs = []
+    for rank in (0, 1):
+        module = cpu_layer(1, "int8", 0, inter=160, is_gpt_oss=True, rank=rank, num_ranks=2)
+        streamed = StreamedPrefill(module, min_tokens=1, device=DEVICE)
+        assert streamed.attach(ExpertStream(DEVICE), chunk_bytes=3 * module.op.layer.expert_bytes(), pin=False) > 0
+        outputs.append(on_device(streamed, hidden, ids, weights))
+    assert close(outputs[0] + outputs[1], whole.op(hidden, ids, weights))
 
 
 def test_a_ring_of_two_slots_serves_every_layer_every_step():
