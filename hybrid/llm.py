@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from cpu_experts.topology import allowed_cpus, discover_nodes, use_kernel_threads
+from cpu_experts.topology import allowed_cpus, discover_nodes, node_cpus, rank_nodes, use_kernel_threads
 from hybrid import parallel
 from hybrid.block_manager import CacheGroupBlocks, OutOfBlocks, blocks_needed
 from hybrid.cache_groups import derive_cache_groups
@@ -95,8 +95,14 @@ class LLM:
         # the GPU with gpu_experts), and so do a plain checkpoint's with expert_placement cpu (auto on CUDA), read
         # from it at load; otherwise they run through the PyTorch reference on the engine's device.
         is_cpu_experts = read_manifest(Path(path)) is not None or cfg.is_cpu_placement
+        # a tensor-parallel rank's CPU experts run on its share of the NUMA nodes (`topology.rank_nodes`)
+        tp = self.tp
+        nodes = rank_nodes(discover_nodes(), tp.rank, tp.size)
+        cpus = node_cpus(nodes) if tp.size > 1 else allowed_cpus()
         # On CUDA the CPU experts leave one CPU to the thread driving the GPU; set before loading runs a kernel
-        num_threads = max(1, len(allowed_cpus()) - 1) if cfg.is_cuda and is_cpu_experts else None
+        num_threads = None
+        if is_cpu_experts and (cfg.is_cuda or tp.size > 1):
+            num_threads = max(1, len(cpus) - 1) if cfg.is_cuda else len(cpus)
         use_kernel_threads(num_threads)
         moe = self.config.moe
         self.gpu_prefill_tokens = min_streamed_tokens(cfg, moe.num_experts, moe.top_k) if is_cpu_experts else 0
@@ -116,9 +122,8 @@ class LLM:
             backends = replace(backends, keep_quantized=False)
         self.backends = backends
         self.model = build_model(cls, self.config, cfg, backends, self.tp)
-        partitions = cfg.numa_partitions or len(discover_nodes())
-        load_weights(self.model, path, partitions, keep_quantized=backends.keep_quantized,
-                     expert_dtype=cfg.expert_dtype)
+        load_weights(self.model, path, cfg.numa_partitions or len(nodes), keep_quantized=backends.keep_quantized,
+                     expert_dtype=cfg.expert_dtype, rank=tp.rank, num_ranks=tp.size)
         for module in self.model.modules():
             if hasattr(module, "fuse_gate_up"):
                 module.fuse_gate_up()  # the kernels' stacked gate/up layout (MLPs: only when the ops use it)
@@ -137,7 +142,8 @@ class LLM:
         # thread that drives the GPU)
         self.cpu_executor = None
         if is_cpu_experts:
-            self.cpu_executor = cpu_executor(self.model, self.max_model_len, torch.float32, num_threads)
+            self.cpu_executor = cpu_executor(self.model, self.max_model_len, torch.float32, num_threads,
+                                             worker_cpus=cpus if tp.size > 1 else None)
             self.cpu_handoff.executor = self.cpu_executor
         # the one owner of this model's KV pages: every engine over it and prefill_logits take pages from it
         groups = self._cache_groups(self.model, num_blocks)
@@ -229,9 +235,11 @@ class LLM:
             return cfg.gpu_experts
         if not cfg.is_cuda:
             return 0
-        total = torch.cuda.get_device_properties(torch.device(cfg.device)).total_memory
+        # every rank's GPU (rank r on cuda:r): each rank computes the same list, so they agree on the placement
+        budgets = [int(torch.cuda.get_device_properties(rank_device(cfg.device, r)).total_memory
+                       * cfg.gpu_memory_utilization) for r in range(self.tp.size)]
         meta = build_model(cls, self.config, replace(cfg, device="meta"),
-                           Backends(make_experts=partial(cpu_experts_factory, handoff=CpuHandoff())))
+                           Backends(make_experts=partial(cpu_experts_factory, handoff=CpuHandoff())), self.tp)
         dense_bytes = sum(t.numel() * t.element_size() for t in itertools.chain(meta.parameters(), meta.buffers()))
         kv_bytes = kv_cache_bytes(self._cache_groups(meta, num_blocks), cfg.block_size, cfg.torch_dtype)
         kv_bytes += state_slot_bytes(meta.state_layers(), cfg.torch_dtype) * (self.num_state_slots
@@ -239,7 +247,7 @@ class LLM:
         moe = self.config.moe
         streaming = reserve_bytes(moe.num_experts, self.config.hidden_size, moe.intermediate_size) \
             if self.gpu_prefill_tokens else 0
-        return auto_gpu_experts(self.config, int(total * cfg.gpu_memory_utilization), dense_bytes + kv_bytes,
+        return auto_gpu_experts(self.config, budgets, dense_bytes + kv_bytes,
                                 activation_bytes(self.config, self.max_model_len) + streaming,
                                 cfg.torch_dtype.itemsize)
 
@@ -251,8 +259,8 @@ class LLM:
         if num_gpu_experts:
             stats = RoutingStats.read(cfg.routing_stats) if cfg.routing_stats else None
             placement = ExpertPlacement.choose(self.config.moe_layer_indices, self.config.moe.num_experts,
-                                               num_gpu_experts, stats)
-        return partial(cpu_experts_factory, handoff=self.cpu_handoff, placement=placement,
+                                               num_gpu_experts, stats, num_ranks=self.tp.size)
+        return partial(cpu_experts_factory, handoff=self.cpu_handoff, placement=placement, rank=self.tp.rank,
                        int8_activations=cfg.expert_activations == "int8",
                        is_fused=uses_gemm_kernels(cfg.device, cfg.kernels, cfg.torch_dtype),
                        min_streamed_tokens=self.gpu_prefill_tokens, device=cfg.device)

@@ -178,9 +178,6 @@ def check_tensor_parallel(config, engine, is_converted: bool) -> None:
                               "runs on cuda:r)")
         if torch.cuda.device_count() < size:
             raise ConfigError(f"tensor_parallel_size {size} needs {size} GPUs, {torch.cuda.device_count()} visible")
-    if is_converted or engine.is_cpu_placement:
-        raise ConfigError("CPU experts are not split over tensor-parallel ranks yet: pass expert_placement 'device' "
-                          "(--expert-placement device) or tensor_parallel_size 1")
     if engine.defer_experts:
         raise ConfigError("defer_experts is not supported with tensor parallelism: set defer_experts 0")
     if config.has_recurrent_layers:
@@ -199,7 +196,8 @@ def check_tensor_parallel(config, engine, is_converted: bool) -> None:
     if any(config.moe_layers):
         check_divisible("moe_intermediate_size", config.moe.intermediate_size, tp)
         check_divisible("shared expert intermediate size", config.moe.shared_intermediate_size, tp)
-        if config.moe.has_fused_storage:
+        # the CPU operator's experts read fused storage themselves, and a rank's GPU-resident ones are whole
+        if config.moe.has_fused_storage and not (is_converted or engine.is_cpu_placement):
             raise ConfigError("routed experts stored fused (experts.gate_up_proj) are not split over tensor-parallel "
                               "ranks yet: run with tensor_parallel_size 1")
 

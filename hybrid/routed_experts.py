@@ -40,7 +40,10 @@ class RoutedExperts(TritonExperts):
                  handoff: CpuHandoff | None = None, is_fused: bool = False, streamed: StreamedPrefill | None = None,
                  other_rank_expert_ids: tuple[int, ...] = ()):
         moe = config.moe
-        super().__init__(len(gpu_expert_ids), config.hidden_size, moe.intermediate_size, moe.expert_proj_names)
+        # experts resident on a GPU are whole there (expert parallel), except where every rank holds every expert
+        is_split = cpu is None and not other_rank_expert_ids
+        super().__init__(len(gpu_expert_ids), config.hidden_size, moe.intermediate_size, moe.expert_proj_names,
+                         is_split=is_split)
         if set(gpu_expert_ids) & set(other_rank_expert_ids):
             raise ValueError(f"layer {layer_idx}: experts {sorted(set(gpu_expert_ids) & set(other_rank_expert_ids))} "
                              "are both on this rank's GPU and on another's")

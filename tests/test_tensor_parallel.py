@@ -89,8 +89,9 @@ def engine_scenario(llm) -> tuple[list[list[int]], list[int]]:
     return first + [r.output_ids for r in requests], [r.num_cached for r in requests]
 
 
-def run(path, tp: int, *, with_engine: bool = False, kill_worker: bool = False, fail_worker: bool = False) -> Run:
-    llm = LLM(path, device="cpu", dtype="float32", tensor_parallel_size=tp)
+def run(path, tp: int, *, with_engine: bool = False, kill_worker: bool = False, fail_worker: bool = False,
+        **options) -> Run:
+    llm = LLM(path, device="cpu", dtype="float32", tensor_parallel_size=tp, **options)
     try:
         result = Run([llm.prefill_logits(p) for p in PROMPTS], llm.generate(PROMPTS[2], NUM_GREEDY, ignore_eos=True))
         if with_engine:
@@ -129,7 +130,12 @@ def gqa_runs(tmp_path_factory):
 def mla_runs(tmp_path_factory):
     path = tmp_path_factory.mktemp("deepseek_v3")
     make_checkpoint(deepseek_v3(), path, seed=1)
-    return {tp: run(path, tp, fail_worker=tp == 2) for tp in (1, 2, 3)}
+    runs = {tp: run(path, tp, fail_worker=tp == 2) for tp in (1, 2, 3)}
+    # the CPU operator's experts (int8, quantized at load) with 3 experts a layer on the "GPUs" (here the ranks'
+    # devices): each rank computes its slice of I of the other experts and its share of the resident ones
+    cpu_experts = dict(expert_placement="cpu", gpu_experts=3, numa_partitions=2)
+    runs |= {("cpu", tp): run(path, tp, **cpu_experts) for tp in (1, 2)}
+    return runs
 
 
 def assert_same_run(got: Run, want: Run) -> None:
@@ -150,6 +156,12 @@ def test_gqa_matches_one_process(gqa_runs, model):
 @pytest.mark.parametrize("tp", [2, 3])
 def test_mla_matches_one_process(mla_runs, tp):
     assert_same_run(mla_runs[tp], mla_runs[1])
+
+
+def test_cpu_experts_split_over_ranks_match_one_process(mla_runs):
+    """Rank r drives its slice of I of every CPU-resident expert (2 partitions each) and its share of the resident
+    ones, dealt over the ranks; the MoE block's one all-reduce sums the slices and shares."""
+    assert_same_run(mla_runs["cpu", 2], mla_runs["cpu", 1])
 
 
 def test_engine_batching_and_prefix_cache_match_one_process(gqa_runs):
@@ -193,8 +205,6 @@ def test_unsplit_settings_are_refused(tmp_path):
               tensor_parallel_size=2)
     with pytest.raises(ConfigError, match="defer_experts"):
         check(qwen2_moe(2), tensor_parallel_size=2, defer_experts=1)
-    with pytest.raises(ConfigError, match="expert_placement 'device'"):
-        check(qwen2_moe(2), tensor_parallel_size=2, expert_placement="cpu")
 
 
 def test_tp_flag_and_its_alias():

@@ -128,9 +128,11 @@ class TorchExperts(nn.Module):
     has_fused_storage = False
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
-                 proj_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")):
+                 proj_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"), is_split: bool = True):
+        """`is_split` False: whole experts on every rank (the CPU operator's GPU-resident experts, dealt over the
+        ranks' GPUs instead: `hybrid.routed_experts`)."""
         super().__init__()
-        self.tp = parallel.current()
+        self.tp = parallel.current() if is_split else parallel.SINGLE
         if self.tp.size > 1:
             parallel.check_divisible("moe_intermediate_size", intermediate_size, self.tp)
             intermediate_size //= self.tp.size
