@@ -190,8 +190,9 @@ def cpu_experts_answer_at_once(engine: Engine, llm: LLM):
 def gpu_only_step_seconds(engine: Engine, llm: LLM, prompts, new_tokens: int, timer: CpuExpertsTimer
                           ) -> float | None:
     """The decode step with the CPU experts answering at once (zeros): the GPU's own time plus the hand-off's;
-    None off CUDA."""
-    if not llm.engine_config.is_cuda:
+    None off CUDA, and tensor parallel (the zeros would be rank 0's alone: the step would still wait, in the
+    all-reduce, for the other ranks' CPU experts)."""
+    if not llm.engine_config.is_cuda or llm.tp.size > 1:
         return None
     with cpu_experts_answer_at_once(engine, llm):
         seconds, step_seconds, _ = _decode(engine, prompts, new_tokens, timer)
@@ -422,7 +423,7 @@ def run(args) -> dict:
     m = (_measure_prefill if args.mode == "prefill" else _measure_decode)(engine, llm, args, timer)
     guided = measure_guided(engine, llm, args, spec, timer) if spec is not None else {}
     read_bw = (read_before + bandwidth()) / 2  # the host's rate drifts: passes on both sides of the timing
-    is_profiled = args.mode == "decode" and args.profile and config.is_cuda
+    is_profiled = args.mode == "decode" and args.profile and config.is_cuda and llm.tp.size == 1
     profile_rows = profile_decode(engine, llm, args) if is_profiled else None
     engine.close()
     kl = deferral_kl(llm)
@@ -439,7 +440,9 @@ def run(args) -> dict:
     bound_s = expert_bytes_per_step(llm, routed_tokens) / read_bw + exposed_s
     if streamed_bytes is not None:  # the experts cross the link instead: its time is the floor
         bound_s = streamed_bytes / link_bw
+    # tensor parallel: the CPU experts' bytes and bandwidth are rank 0's (its slice of I, read by its CPUs)
     return {"mode": args.mode, "model": str(path), "device": config.device, "batch": args.batch, "context": context,
+            "tensor_parallel_size": config.tensor_parallel_size,
             "cuda_graph": engine.runner.graphs is not None, "decode_pool": _decode_pool(engine) is not None,
             "gpu_experts": llm.num_gpu_experts,
             "tokens_per_s": m["tokens"] / m["seconds"], "step_ms": step_s * 1e3, "steps": steps,
@@ -490,7 +493,8 @@ def main(argv: list[str], mode: str) -> int:
     rate = f"{row['read_gb_s']:.1f} GB/s read" if row["streamed_gb"] is None else \
         f"{row['streamed_gb']:.2f} GB streamed at {row['link_gb_s']:.1f} GB/s host-to-device"
     context = f", context {args.context}" if mode == "decode" else ""
-    print(f"{mode} on {row['device']}, batch {row['batch']}{context}, graphs {row['cuda_graph']}, decode pool "
+    tp = f" x {row['tensor_parallel_size']} ranks" if row["tensor_parallel_size"] > 1 else ""
+    print(f"{mode} on {row['device']}{tp}, batch {row['batch']}{context}, graphs {row['cuda_graph']}, decode pool "
           f"{row['decode_pool']}, GPU experts "
           f"{row['gpu_experts']}: {row['tokens_per_s']:.1f} tokens/s, step {row['step_ms']:.2f} ms (CPU experts "
           f"{row['cpu_experts_ms']:.2f}, rest {row['not_cpu_ms']:.2f}{gpu}); bound {row['bound_ms']:.2f} ms at "

@@ -153,6 +153,11 @@ def test_engine_benchmarks_run_on_a_converted_model(tmp_path, capsys):
                      "--tokens", tokens, "--json"]) == 0
         row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         assert row["mode"] == mode and row["tokens_per_s"] > 0 and row["of_bound"] > 0
+    # tensor parallel (gloo here): the engine over 2 ranks, each with its slice of the CPU experts
+    assert main(["decode", "--model", str(tmp_path / "dst"), "--device", "cpu", "--dtype", "float32",
+                 "--tokens", "4", "--json", "--tp", "2"]) == 0
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert row["tokens_per_s"] > 0
 
 
 def test_read_bandwidth_by_pinned_threads_and_by_openmp():
