@@ -4,8 +4,10 @@ multi-GPU host (a helper, not a test module): `python3 tests/tp_device_check.py 
 1. Parity, bf16: a Qwen3-MoE (GQA, KV heads split) and a DeepSeek-V3 (MLA) of small sizes with large-spread weights
    (`checkpoints.make_checkpoint`): tp=2 against tp=1, the eager prefill's logits (relative to the largest) and
    the greedy tokens of an engine decoding 4 requests through CUDA graphs (both sizes must replay graphs).
-2. Decode tokens/s at tp=1 and tp=2, batch 1 and 16, of a synthetic Qwen3-30B-A3B of 4 layers (bf16, every expert on
-   the GPUs, `hybrid.synthetic`), measured through the engine from outside.
+   The same for the DeepSeek-V3 model with its experts on the CPU operator (int8; each rank its slice of I) and 4
+   experts a layer on the GPUs, dealt over them.
+2. The NCCL all-reduce of a step's hidden state, in a CUDA graph: what each attention and MoE block adds.
+   (Decode and prefill rates: `hybrid-bench decode|prefill --tp N`.)
 Prints one JSON line per result and writes them all to OUT_DIR/tp_check.json; exit status 1 where parity fails.
 """
 
@@ -26,7 +28,6 @@ from checkpoints import make_checkpoint, prompt  # noqa: E402
 
 from hybrid import LLM  # noqa: E402
 from hybrid.engine import Engine  # noqa: E402
-from hybrid.synthetic import write_synthetic_checkpoint  # noqa: E402
 
 VOCAB = 2048
 LOGIT_TOLERANCE = 3e-2  # bf16 weights and activations, summed in another order over the ranks
@@ -49,9 +50,9 @@ def deepseek_v3() -> T.DeepseekV3Config:
                               rope_parameters={"rope_type": "default", "rope_theta": 1e4})
 
 
-def parity_run(path, tp: int) -> dict:
-    llm = LLM(path, device="cuda", dtype="bfloat16", expert_placement="device", tensor_parallel_size=tp,
-              max_model_len=512)
+def parity_run(path, tp: int, **options) -> dict:
+    options = {"expert_placement": "device"} | options
+    llm = LLM(path, device="cuda", dtype="bfloat16", tensor_parallel_size=tp, max_model_len=512, **options)
     try:
         logits = llm.prefill_logits(prompt(40, seed=1, vocab=VOCAB)).cpu()
         engine = Engine(llm, max_num_seqs=4)
@@ -65,10 +66,12 @@ def parity_run(path, tp: int) -> dict:
     return {"logits": logits, "tokens": tokens, "graph_replays": replays}
 
 
-def parity(name: str, cfg, workdir: Path) -> dict:
+def parity(name: str, cfg, workdir: Path, variant: str = "", **options) -> dict:
     path = workdir / name
-    make_checkpoint(cfg, path, seed=1, dtype=torch.bfloat16)
-    one, two = parity_run(path, 1), parity_run(path, 2)
+    if not path.exists():
+        make_checkpoint(cfg, path, seed=1, dtype=torch.bfloat16)
+    one, two = parity_run(path, 1, **options), parity_run(path, 2, **options)
+    name = f"{name} {variant}".strip()
     scale = float(one["logits"].abs().max())
     error = float((one["logits"] - two["logits"]).abs().max()) / scale
     same = sum(a == b for x, y in zip(one["tokens"], two["tokens"], strict=True) for a, b in zip(x, y, strict=True))
@@ -82,30 +85,51 @@ def parity(name: str, cfg, workdir: Path) -> dict:
             "graph_replays": [one["graph_replays"], two["graph_replays"]]}
 
 
-def decode_rate(path, tp: int, batches=(1, 16), num_tokens: int = 64) -> list[dict]:
-    llm = LLM(path, device="cuda", dtype="bfloat16", expert_placement="device", tensor_parallel_size=tp,
-              max_model_len=1024)
-    rows = []
-    try:
-        for batch in batches:
-            engine = Engine(llm, max_num_seqs=batch)
-            ids = [engine.add_request(prompt(64, seed=i, vocab=llm.config.vocab_size), max_tokens=num_tokens + 1,
-                                      ignore_eos=True) for i in range(batch)]
-            while not all(engine.requests[i].output_ids for i in ids):  # prefill, and the first token
-                engine.step()
-            torch.cuda.synchronize()
-            start, steps = time.perf_counter(), 0
-            while engine.has_work():
-                engine.step()
-                steps += 1
-            seconds = time.perf_counter() - start
-            graphs = engine.runner.graphs
-            rows.append({"check": "decode qwen3-30b-a3b 4 layers", "tp": tp, "batch": batch,
-                         "tokens_per_s": batch * num_tokens / seconds, "step_ms": seconds / steps * 1e3,
-                         "graph_replays": graphs.num_replays if graphs is not None else 0})
-            engine.close()
-    finally:
-        llm.close()
+def _all_reduce_worker(rank: int, port: int, sizes, out) -> None:
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            device_id=torch.device("cuda", rank))
+    for rows, hidden in sizes:
+        x = torch.ones(rows, hidden, dtype=torch.bfloat16, device="cuda")
+        for _ in range(5):
+            dist.all_reduce(x)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            for _ in range(100):
+                dist.all_reduce(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(5):
+            graph.replay()
+        torch.cuda.synchronize()
+        if rank == 0:
+            out.put({"check": "all_reduce bf16 (NCCL, in a CUDA graph)", "rows": rows, "hidden": hidden,
+                     "us": (time.perf_counter() - start) / 500 * 1e6})
+    dist.destroy_process_group()
+
+
+def all_reduce_latency(sizes=((1, 2048), (16, 2048), (1, 7168), (16, 7168), (2048, 2048))) -> list[dict]:
+    """One all-reduce of a [T, H] bf16 step's hidden state between the 2 GPUs, timed as 100 in a graph: what each
+    attention and MoE block adds to a tensor-parallel step."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_all_reduce_worker, args=(r, port, sizes, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    rows = [out.get(timeout=300) for _ in sizes]
+    for p in procs:
+        p.join(60)
     return rows
 
 
@@ -118,12 +142,14 @@ def main() -> int:
         for name, cfg in (("qwen3_moe", qwen3_moe()), ("deepseek_v3", deepseek_v3())):
             rows.append(parity(name, cfg, workdir))
             print(json.dumps(rows[-1]), flush=True)
-        synthetic = workdir / "qwen3-30b-a3b-4l"
-        write_synthetic_checkpoint(synthetic, "qwen3-30b-a3b", 4)
-        for tp in (1, 2):
-            for row in decode_rate(synthetic, tp):
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+        # the product's placement: CPU experts (int8, each rank its slice of I, the decode pool per rank) with 4
+        # experts a layer on the GPUs, dealt over them
+        rows.append(parity("deepseek_v3", deepseek_v3(), workdir, "cpu_experts", expert_placement="cpu",
+                           gpu_experts=4))
+        print(json.dumps(rows[-1]), flush=True)
+    for row in all_reduce_latency():
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     (out / "tp_check.json").write_text(json.dumps(rows, indent=1))
     return 0 if all(r.get("ok", True) for r in rows) else 1
 
