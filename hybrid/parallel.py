@@ -27,6 +27,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 from hybrid.errors import ConfigError
 
@@ -108,11 +109,16 @@ def init(rank: int, size: int, init_method: str, device: str) -> TensorParallel:
     return tp
 
 
-def destroy() -> None:
-    """Leaves the ranks (the process groups); the process is one process again."""
+def destroy(is_abort: bool = False) -> None:
+    """Leaves the ranks (the process groups); the process is one process again. Every rank destroys at once: NCCL's
+    destroy waits for the peers' (on the H200 pair a rank that destroyed alone waited until its peer did). With a
+    peer gone (`is_abort`), the groups are aborted instead, which waits for nobody."""
     global _state, _device_group, _host_group
     if dist.is_initialized():
-        dist.destroy_process_group()
+        if is_abort:
+            distributed_c10d._abort_process_group()
+        else:
+            dist.destroy_process_group()
     _state, _device_group, _host_group = SINGLE, None, None
 
 

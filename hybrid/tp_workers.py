@@ -158,10 +158,14 @@ class Workers:
         except RuntimeError as exc:
             log.warning("stopping the tensor-parallel workers: %s", exc)
         self.is_stopped = True
-        for process in self.processes if is_told else ():
-            process.join(timeout=JOIN_SECONDS)
+        if is_told:  # the workers leave the groups now: rank 0 with them (`parallel.destroy`)
+            parallel.destroy()
+            for process in self.processes:
+                process.join(timeout=JOIN_SECONDS)
+        is_hung = any(p.is_alive() for p in self.processes)
         self._terminate()
-        parallel.destroy()
+        if not is_told or is_hung:
+            parallel.destroy(is_abort=True)
 
     def _terminate(self) -> None:
         for process in self.processes:
