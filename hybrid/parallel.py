@@ -110,12 +110,12 @@ def init(rank: int, size: int, init_method: str, device: str) -> TensorParallel:
 
 
 def destroy(is_abort: bool = False) -> None:
-    """Leaves the ranks (the process groups); the process is one process again. Every rank destroys at once: NCCL's
-    destroy waits for the peers' (on the H200 pair a rank that destroyed alone waited until its peer did). With a
-    peer gone (`is_abort`), the groups are aborted instead, which waits for nobody."""
+    """Leaves the ranks (the process groups); the process is one process again. Over NCCL, and with a peer gone
+    (`is_abort`), the groups are aborted, which waits for nobody: on the H200 pair NCCL's destroy waited for the
+    peer's, and hung for good once decode graphs had captured the collectives."""
     global _state, _device_group, _host_group
     if dist.is_initialized():
-        if is_abort:
+        if is_abort or dist.get_backend() == "nccl":
             distributed_c10d._abort_process_group()
         else:
             dist.destroy_process_group()
