@@ -129,11 +129,18 @@ def _down_bias(bias, ids, w):
     return out
 
 
+@pytest.fixture(scope="module")
+def amx_reference_kernels():
+    """Each AMX module's kernels with plain-numba tiles, compiled once for the module's tests (a compile is
+    seconds; every case of a module has the same argument types)."""
+    return {module: module.reference_kernels() for module in (prefill_amx, prefill_amx_grouped, prefill_amx_float)}
+
+
 @pytest.mark.parametrize("is_amx", [False, True])
 @pytest.mark.parametrize("backend,dtype,group", [("amx", "int8", 0), ("grouped", "int4", 32), ("grouped", "int8", 64),
                                                  ("float", "fp8", 128), ("float", "mxfp4", 32),
                                                  ("float", "nvfp4", 16)])
-def test_amx_prefill(backend, dtype, group, is_amx):
+def test_amx_prefill(amx_reference_kernels, backend, dtype, group, is_amx):
     """The AMX grouped GEMMs' epilogues with gpt-oss's activation and biases: on every CPU with the tile
     instructions replaced by plain numba (`reference_kernels`), the AMX instructions where the CPU has them."""
     module, cls, has = {"amx": (prefill_amx, prefill_amx.AmxPrefill, prefill_amx.has_amx),
@@ -144,7 +151,7 @@ def test_amx_prefill(backend, dtype, group, is_amx):
         pytest.skip("this CPU has no AMX")
     hidden, inter = 256, 192  # the tiles' sizes
     layer, deq, biases = _layer(dtype, group, 3, hidden=hidden, inter=inter)
-    op = cls(layer, Workspace(), None if is_amx else module.reference_kernels())
+    op = cls(layer, Workspace(), None if is_amx else amx_reference_kernels[module])
     for seed, num_tokens in enumerate([1, 33]):
         x, (ids, w) = _inputs(num_tokens, seed, hidden), _routing(num_tokens, seed)
         want = _reference(layer, deq, biases, x, ids, w, backend != "float")

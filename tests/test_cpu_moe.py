@@ -219,11 +219,20 @@ def test_bad_input_is_named(layers):
         op(x, torch.zeros(3, 2, dtype=torch.int64), torch.ones(3, 2))
 
 
+@pytest.fixture(scope="module")
+def amx_reference_kernels():
+    """Each AMX module's kernels with plain-numba tiles, compiled once for the module's tests (a compile is
+    seconds; every case has the same argument types)."""
+    from cpu_experts import prefill_amx, prefill_amx_grouped
+
+    return {module: module.reference_kernels() for module in (prefill_amx, prefill_amx_grouped)}
+
+
 @pytest.mark.parametrize("partitions", [1, 3])
 @pytest.mark.parametrize("is_amx", [False, True])
 @pytest.mark.parametrize("dtype,group", [("int8", 0), ("int4", 64), ("int4", 128), ("int8", 64), ("int4", 32),
                                          ("int8", 32), ("stored int4", 32), ("stored int4", 64)])
-def test_amx_prefill(partitions, is_amx, dtype, group):
+def test_amx_prefill(amx_reference_kernels, partitions, is_amx, dtype, group):
     """The AMX grouped GEMMs (`cpu_experts.prefill_amx` for per-channel int8, `prefill_amx_grouped` for int4 and
     grouped int8) against the W8A8 reference: their packing, unpacking, group scales and epilogues on every CPU
     (the tile instructions replaced by their plain-numba reference), the AMX instructions where the CPU has them.
@@ -246,7 +255,7 @@ def test_amx_prefill(partitions, is_amx, dtype, group):
                             for e in range(num_experts)]) for w, role in zip(ws, ("gate", "up", "down"), strict=True)]
     module = prefill_amx if group == 0 else prefill_amx_grouped
     prefill = prefill_amx.AmxPrefill if group == 0 else prefill_amx_grouped.GroupedAmxPrefill
-    op = prefill(layer, Workspace(), None if is_amx else module.reference_kernels())
+    op = prefill(layer, Workspace(), None if is_amx else amx_reference_kernels[module])
     bounds = [(p.start, p.end) for p in layer.partitions]
     for seed, (num_tokens, top_k, case) in enumerate([(1, 2, "random"), (17, 8, "with_minus_one"),
                                                       (300, 2, "one_expert"), (70, 8, "random")]):

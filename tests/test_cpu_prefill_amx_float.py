@@ -84,23 +84,31 @@ def routing(num_tokens: int, top_k: int, seed: int):
 
 def flip_bound(x, gate, up, down, ids, weights) -> torch.Tensor:
     """[T, H]: the most that act's bf16 rounding can move each output element beyond float32 summation order
-    (tests/test_cpu_fp8.py's `act_flip_bound`, with this module's error allowances)."""
+    (tests/test_cpu_fp8.py's `act_flip_bound`, with this module's error allowances). Every expert's sums for every
+    token ([T, E, I]) are taken once and picked per slot: gathering each token's [I, H] weights per slot in float64
+    was most of these tests' time."""
     xb = x.bfloat16().double()
     eps = 2.0 ** -24
+    wg, wu, wd = gate.double(), up.double(), down.double().abs()  # [E, I, H], [E, I, H], [E, H, I]
+    g_all, v_all = torch.einsum("eih,th->tei", wg, xb), torch.einsum("eih,th->tei", wu, xb)
+    g_err_all = SUM_ERR * eps * torch.einsum("eih,th->tei", wg.abs(), xb.abs())
+    v_err_all = SUM_ERR * eps * torch.einsum("eih,th->tei", wu.abs(), xb.abs())
+    rows = torch.arange(x.shape[0])
     bound = torch.zeros(x.shape, dtype=torch.float64)
     for k in range(ids.shape[1]):
         e = ids[:, k].clamp(min=0)
-        wg, wu, wd = gate[e].double(), up[e].double(), down[e].double()
-        g, v = torch.einsum("tih,th->ti", wg, xb), torch.einsum("tih,th->ti", wu, xb)
-        g_err = SUM_ERR * eps * torch.einsum("tih,th->ti", wg.abs(), xb.abs())
-        v_err = SUM_ERR * eps * torch.einsum("tih,th->ti", wu.abs(), xb.abs())
+        g, v, g_err, v_err = (t[rows, e] for t in (g_all, v_all, g_err_all, v_err_all))  # [T, I] each
         silu = g * torch.sigmoid(g)
         act = silu * v
         err = 1.1 * g_err * v.abs() + silu.abs() * v_err + SILU_ERR * eps * act.abs()
         step = 2.0 ** (torch.floor(torch.log2(act.abs().clamp(min=1e-300))) - 7)
         to_midpoint = ((act / step) - torch.floor(act / step) - 0.5).abs() * step
         flips = (to_midpoint <= err) & (ids[:, k, None] >= 0)
-        bound += weights[:, k, None].double() * torch.einsum("ti,thi->th", flips * step, wd.abs())
+        moved = torch.zeros(x.shape, dtype=torch.float64)
+        for expert in e.unique().tolist():
+            hit = e == expert
+            moved[hit] = (flips[hit] * step[hit]) @ wd[expert].T
+        bound += weights[:, k, None].double() * moved
     return bound
 
 
