@@ -2,7 +2,7 @@
 
 Random-weight models are a poor judge of quantization damage: their next-token distributions are flat, so the
 top-2 logits of a few percent of positions are within any perturbation of each other and top-1 agreement
-measures ties, not the quantizer. Real models are confident. So each model here is first trained for a few hundred
+measures ties, not the quantizer. Real models are confident. So each model here is first trained for a hundred
 steps on a synthetic second-order Markov language (the next token is a fixed function of the previous two, 90% of
 the time), which gives it confident predictions that depend on attention and the MoE layers. Then: int8 experts
 (per channel) keep mean KL per position < 1e-3 and top-1 agreement >= 99% against the float32 model; int4
@@ -25,7 +25,7 @@ VOCAB = 256
 FIRST_TOKEN = 3  # ids below are bos/eos/pad
 CONTEXTS = 4  # the previous-but-one token enters through its residue mod 4: 4 x 256 transitions, all well learned
 NOISE = 0.1
-STEPS, BATCH, LENGTH = 300, 32, 64
+STEPS, BATCH, LENGTH = 100, 16, 64
 
 
 def markov_batch(rule: torch.Tensor, n: int, length: int, gen: torch.Generator) -> torch.Tensor:
@@ -86,7 +86,9 @@ def test_trained_models_are_confident(trained):
     """The premise: the trained model predicts the rule (its top-1 is the rule's token most of the time)."""
     _, _, heldout, ref = trained
     correct = [(logits[1:-1].argmax(-1) == ids[2:]).float().mean() for ids, logits in zip(heldout, ref, strict=True)]
-    assert float(torch.stack(correct).mean()) > 0.6
+    accuracy = float(torch.stack(correct).mean())
+    print(f"{trained[0]}: top-1 is the rule's token at {accuracy:.3f} of positions")
+    assert accuracy > 0.6
 
 
 def test_int8_and_int4_meet_the_accuracy_targets(trained, tmp_path):
@@ -104,6 +106,6 @@ def test_int8_and_int4_meet_the_accuracy_targets(trained, tmp_path):
         (kl8, top8), (kl4, _) = results["int8", activations], results["int4", activations]
         assert 0 < kl8 < 1e-3 and top8 >= 0.99
         assert kl4 < 2e-2
-    # the metric sees the quantizer: int4 costs several times int8's KL (4.6x for qwen3_moe with transformers 5.17
-    # and torch 2.13; the trained model, and so the ratio, moves with their versions)
+    # the metric sees the quantizer: int4 costs several times int8's KL (34x for qwen3_moe, 28x for deepseek_v3 with
+    # transformers 5.17 and torch 2.13; the trained model, and so the ratio, moves with their versions)
     assert results["int4", "float"][0] > 3 * results["int8", "float"][0]

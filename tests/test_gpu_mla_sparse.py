@@ -8,7 +8,7 @@ sizes and a CUDA-graph replay on the GPU."""
 import pytest
 import torch
 from gpu_support import DEVICE, IS_INTERPRETED, poisoned
-from test_gpu_mla import DECODE_LENS, GLM, ODD, PREFILL_SEQS, REAL, SMALL, assert_matches, expected, make_problem
+from test_gpu_mla import DECODE_LENS, GLM, ODD, REAL, SMALL, assert_matches, expected, make_problem
 
 from gpu_layers import mla, mla_sparse, reference
 from gpu_layers.capability import CAPABILITIES, select
@@ -103,7 +103,8 @@ def test_every_position_selected_equals_dense_decode(num_splits):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_causal_prefix_selected_equals_dense_prefill(dtype):
-    p = make_problem(PREFILL_SEQS, 32, SMALL, dtype, seed=62)
+    # pages of 16: the prefixes span pages and the chunk after 47 crosses one
+    p = make_problem(SPARSE_SEQS, 16, SMALL, dtype, seed=62)
     selected = causal_selection(p, max(p["seq_lens_cpu"]))
     assert_matches(run_sparse(p, row_seq_of(p), selected), expected(p), dtype)
 
