@@ -104,6 +104,8 @@ class LLM:
         if is_cpu_experts and (cfg.is_cuda or tp.size > 1):
             num_threads = max(1, len(cpus) - 1) if cfg.is_cuda else len(cpus)
         use_kernel_threads(num_threads)
+        if tp.size > 1 and not cfg.is_cuda:  # the ranks' dense layers share the cores as their experts do
+            torch.set_num_threads(len(cpus))
         moe = self.config.moe
         self.gpu_prefill_tokens = min_streamed_tokens(cfg, moe.num_experts, moe.top_k) if is_cpu_experts else 0
         self.num_gpu_experts = 0
@@ -131,7 +133,7 @@ class LLM:
                 module.fuse_qkv()  # attention's q/k/v as one GEMV (only with the kernels' ops)
         streamed = [m.streamed for m in self.model.modules() if isinstance(m, RoutedExperts) and m.streamed]
         self.expert_stream, self.num_pinned_bytes = attach_streamed(streamed, cfg.device) if streamed else (None, 0)
-        if num_threads is not None:
+        if cfg.is_cuda and num_threads is not None:
             # torch's own OpenMP pool, once woken by a CPU op, spins on the cores the expert kernels need: on the
             # H200 host the in-engine decode call took 0.76 ms with it and 0.54 ms with one torch thread
             torch.set_num_threads(1)
@@ -167,7 +169,7 @@ class LLM:
     def _join_ranks(self, path: str | Path) -> Workers | None:
         """Tensor parallel: rank 0 checks the setting, starts the other ranks and joins them (`hybrid.tp_workers`),
         which returns their handle; a rank it started (`is_worker`) has joined already. Either way the engine config
-        takes this rank's device, and on the CPU the ranks share the cores."""
+        takes this rank's device."""
         cfg = self.engine_config
         workers = None
         if not is_worker():
@@ -177,8 +179,6 @@ class LLM:
             workers = Workers(path, cfg)
         tp = parallel.joined()
         self.engine_config = replace(cfg, device=rank_device(cfg.device, tp.rank))
-        if not cfg.is_cuda:
-            torch.set_num_threads(max(1, len(allowed_cpus()) // tp.size))
         return workers
 
     def _leave_ranks(self) -> None:

@@ -20,7 +20,6 @@ from torch import nn
 
 from hybrid import parallel
 from hybrid.config import AttentionConfig
-from hybrid.errors import ConfigError
 from hybrid.forward_batch import ForwardBatch
 from hybrid.layers.norm import RMSNorm
 from hybrid.layers.rotary import RotaryEmbedding
@@ -33,10 +32,7 @@ class GQAAttention(nn.Module):
         # tensor parallel: this rank's heads (KV heads replicated where there are fewer than ranks), `tp_shards`
         self.tp = tp = parallel.current()
         self.full_cfg = cfg
-        if tp.size > 1:
-            if cfg.qk_norm == "whole":
-                raise ConfigError("qk_norm over the whole projection (MiniMax-M2) needs a distributed RMS: run it "
-                                  "with tensor_parallel_size 1")
+        if tp.size > 1:  # a whole-projection qk_norm is refused before: `parallel.check_tensor_parallel`
             parallel.check_divisible("num_attention_heads", cfg.num_heads, tp)
             parallel.check_kv_heads(cfg.num_kv_heads, tp)
             cfg = replace(cfg, num_heads=cfg.num_heads // tp.size,

@@ -247,9 +247,7 @@ class SparseMoE(_HoldsCorrectionBias):
         self.gate = Router(hidden_size, moe, ops)
         self._register_correction_bias(moe, "block")
         self.experts = experts
-        self.tp = parallel.current()
-        if self.tp.size > 1 and deferral is not None:
-            raise ConfigError("defer_experts is not supported with tensor parallelism: set defer_experts 0")
+        self.tp = parallel.current()  # tensor parallel without deferral: `parallel.check_tensor_parallel`
         self.shared_name = shared_name if moe.shared_intermediate_size else None
         if self.shared_name:  # its partial sum joins the routed experts' before the block's one all-reduce
             setattr(self, shared_name, GatedMLP(hidden_size, moe.shared_intermediate_size, ops, is_reduced=False))
