@@ -27,7 +27,7 @@ from cpu_experts.expert_file import (
     ExpertLayerSpec,
     quantize_matrix,
 )
-from cpu_experts.topology import split_dim
+from cpu_experts.topology import check_rank, split_dim
 
 PARTITION_ALIGN = 32  # partition boundaries along I: whole SIMD vectors, and whole int4 bytes
 
@@ -133,10 +133,7 @@ def rank_slice(spec: ExpertLayerSpec, rank: int = 0, num_ranks: int = 1) -> tupl
     """Rows [first, last) of I that tensor-parallel rank `rank` of `num_ranks` computes for every routed expert:
     as equal as the alignment allows, in rank order, together all of I (empty at I's end for ranks beyond its
     aligned blocks)."""
-    if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
-        raise ValueError(f"num_ranks must be a positive integer, got {num_ranks!r}")
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < num_ranks:
-        raise ValueError(f"rank must be an integer in [0, {num_ranks}), got {rank!r}")
+    check_rank(rank, num_ranks)
     return split_dim(spec.intermediate_size, num_ranks, partition_align(spec))[rank]
 
 

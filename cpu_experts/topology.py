@@ -125,10 +125,7 @@ def rank_nodes(nodes: list[NumaNode], rank: int = 0, num_ranks: int = 1) -> list
     one rank: `nodes` themselves. Call it on the machine's nodes (`discover_nodes` before any rank pins itself)."""
     if not nodes:
         raise ValueError("rank_nodes needs at least one NUMA node")
-    if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
-        raise ValueError(f"num_ranks must be a positive integer, got {num_ranks!r}")
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < num_ranks:
-        raise ValueError(f"rank must be an integer in [0, {num_ranks}), got {rank!r}")
+    check_rank(rank, num_ranks)
     if len(nodes) >= num_ranks:
         return list(nodes[rank::num_ranks])
     shares = []
@@ -139,6 +136,14 @@ def rank_nodes(nodes: list[NumaNode], rank: int = 0, num_ranks: int = 1) -> list
         start, end = split_dim(len(node.cpus), num_ranks)[rank]
         shares.append(NumaNode(node.id, node.cpus[start:end]))
     return shares
+
+
+def check_rank(rank: int, num_ranks: int) -> None:
+    """A tensor-parallel rank `rank` of `num_ranks`, as plain ints, or a ValueError naming the bad one."""
+    if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
+        raise ValueError(f"num_ranks must be a positive integer, got {num_ranks!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < num_ranks:
+        raise ValueError(f"rank must be an integer in [0, {num_ranks}), got {rank!r}")
 
 
 def node_cpus(nodes: list[NumaNode]) -> tuple[int, ...]:
