@@ -191,7 +191,14 @@ class CudaGraphRunner:
         return size
 
     def close(self) -> None:
+        """Stops the CPU side and releases the graphs: tensor parallel, graphs that captured NCCL collectives and
+        outlive them hang the communicator's abort when the ranks are left (seen on the H200 pair)."""
         if self.pool is not None:
             self.pool.close()
         if self.worker is not None:
             self.worker.close()
+        torch.cuda.synchronize(self.device)
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.logits.clear()

@@ -219,7 +219,7 @@ class LLM:
         streamed experts' weights and, tensor parallel, stops the other ranks."""
         if self.routing_recorder is not None and self.engine_config.record_routing:
             self.routing_recorder.stats().write(self.engine_config.record_routing)
-        if self._owns_engine:
+        if self.engine is not None:  # the caller's too: its graphs must go before the ranks are left
             self.engine.close()  # detaches it
         if self.cpu_executor is not None:
             self.cpu_executor.close()
