@@ -231,6 +231,14 @@ class LLM:
         """`gpu_experts` as a count: "auto" fills the device memory left after the dense weights, the KV cache and
         a reserve for activations (estimated on the meta device, before anything is allocated)."""
         cfg = self.engine_config
+        if not cls.has_resident_experts:
+            if cfg.gpu_experts == "auto":
+                log.info("%s: routed experts run on the CPU operator only; gpu_experts=auto places none on the "
+                         "device", self.config.architecture)
+                return 0
+            if cfg.gpu_experts:
+                raise ConfigError(f"{self.config.architecture}: routed experts run on the CPU operator or all on "
+                                  "the device; set gpu_experts=0 (--gpu-experts 0) or expert_placement=device")
         if cfg.gpu_experts != "auto":
             return cfg.gpu_experts
         if not cfg.is_cuda:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import types
 
 import pytest
@@ -254,10 +255,15 @@ def test_cpu_experts_from_published_mxfp4_match_transformers(tmp_path):
                        None, "gpt-oss mxfp4 greedy")
 
 
-def test_device_experts_refuse_gpu_expert_split(tmp_path):
+def test_device_experts_refuse_gpu_expert_split(tmp_path, caplog):
+    """A count is refused, naming the setting; "auto" places none on the device (said in the log), not an error."""
     make_gpt_oss(tmp_path)
     with pytest.raises(ConfigError, match="gpu_experts=0"):
         LLM(tmp_path, dtype="float32", expert_placement="cpu", gpu_experts=2)
+    with caplog.at_level(logging.INFO, logger="hybrid.llm"):
+        llm = LLM(tmp_path, dtype="float32", expert_placement="cpu", gpu_experts="auto")
+    assert llm.num_gpu_experts == 0 and "gpu_experts=auto places none" in caplog.text
+    llm.close()
 
 
 def test_kernel_path_matches_transformers(tmp_path):

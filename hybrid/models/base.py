@@ -77,6 +77,8 @@ class MoECausalLM(nn.Module):
     # matched by `extra_layer_pattern`, stale rotary caches by the second pattern.
     ignored_tensor_patterns: tuple[str, ...] = (r".*\.rotary_emb\.inv_freq$",)
     has_mtp_layers = False
+    # whether some routed experts may stay on the device beside the CPU operator's (`gpu_experts`)
+    has_resident_experts = True
     # (published, model) name prefixes where the published checkpoint nests the model under another name (the
     # checkpoint reader maps them: `hybrid.checkpoint`); names below are the model's.
     checkpoint_prefixes: tuple[tuple[str, str], ...] = ()

@@ -27,7 +27,6 @@ from torch import nn
 from cpu_experts.expert_file import SWIGLU_OAI
 from hybrid import parallel
 from hybrid.config import LayerSpec, ModelConfig, MoEConfig, RawConfig, common_fields, gqa_attention, parse_rope
-from hybrid.errors import ConfigError
 from hybrid.layers.backends import Backends, default_experts_factory, triton_experts_factory
 from hybrid.layers.moe import Router
 from hybrid.layers.ops import TORCH_OPS, DenseOps
@@ -173,6 +172,9 @@ class GptOssForCausalLM(MoECausalLM):
     expert_activation = SWIGLU_OAI  # the CPU experts' (`hybrid.direct_experts`, `convert`)
     has_expert_bias = True
     is_cpu_experts = False  # set by `_make_ff` when the layers' experts are `CpuExperts`
+    # the device's experts beside the CPU operator's run through the fused-MoE kernel, which has neither the
+    # clamped SwiGLU nor the expert biases: every expert on the CPU operator, or all on the device
+    has_resident_experts = False
 
     @classmethod
     def parse_config(cls, raw: RawConfig, checkpoint_dir=None) -> ModelConfig:
@@ -206,9 +208,6 @@ class GptOssForCausalLM(MoECausalLM):
         if backends.make_experts in (default_experts_factory, triton_experts_factory):
             return GptOssMLP(self.config.hidden_size, self.config.moe, backends.ops)
         experts = backends.make_experts(layer_idx, self.config)
-        if not experts.has_cpu_part or experts.gpu_expert_ids:
-            raise ConfigError(f"{self.config.architecture}: routed experts run on the CPU operator or all on the "
-                              "device; set gpu_experts=0 (--gpu-experts 0) or expert_placement=device")
         self.is_cpu_experts = True
         return GptOssMLP(self.config.hidden_size, self.config.moe, backends.ops, experts)
 
