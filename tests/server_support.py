@@ -189,3 +189,27 @@ def serve_in_process(monkeypatch, argv: list[str], check) -> int:
     if failures:
         raise failures[0]
     return code
+
+
+def chat_choices(client, stream: bool, **kwargs) -> list[tuple[str, str | None, list[tuple[str, str]]]]:
+    """(content, finish_reason, tool calls as (name, arguments)) of each choice of one chat completion (`kwargs`
+    as the `openai` client takes them), in choice order; streamed, the deltas joined (a call's pieces by its
+    index), so both ways compare alike."""
+    num_choices = kwargs.get("n", 1)
+    if not stream:
+        response = client.chat.completions.create(**kwargs)
+        return [(c.message.content or "", c.finish_reason,
+                 [(t.function.name, t.function.arguments) for t in c.message.tool_calls or ()])
+                for c in sorted(response.choices, key=lambda c: c.index)]
+    content, reasons = [""] * num_choices, [None] * num_choices
+    calls: list[dict[int, list[str]]] = [{} for _ in range(num_choices)]  # call index -> [name, arguments]
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for c in chunk.choices:
+            content[c.index] += c.delta.content or ""
+            reasons[c.index] = c.finish_reason or reasons[c.index]
+            for t in c.delta.tool_calls or ():
+                call = calls[c.index].setdefault(t.index, ["", ""])
+                call[0] += t.function.name or ""
+                call[1] += t.function.arguments or ""
+    return [(content[i], reasons[i], [tuple(call) for _, call in sorted(calls[i].items())])
+            for i in range(num_choices)]

@@ -13,7 +13,7 @@ import jsonschema
 import openai
 import pytest
 import torch
-from server_support import API_KEY, TINY, engine_server
+from server_support import API_KEY, TINY, chat_choices, engine_server
 
 from hybrid.engine import Engine
 from hybrid.guided import GrammarCache
@@ -103,24 +103,10 @@ def engine(model_dir, tokenizer):
     llm.close()
 
 
-def chat(client, stream: bool, max_tokens: int = 120, **kwargs) -> list[tuple[str, str, list]]:
+def chat(client, stream: bool, max_tokens: int = 120, **kwargs) -> list[tuple[str, str | None, list]]:
     """(content, finish_reason, tool calls as (name, arguments)) per choice of n=NUM_SEEDS seeded choices."""
-    kwargs = {"model": "tiny", "messages": USER, "n": NUM_SEEDS, "seed": 1234, "temperature": 1.0,
-              "max_tokens": max_tokens, **kwargs}
-    if not stream:
-        response = client.chat.completions.create(**kwargs)
-        return [(c.message.content or "", c.finish_reason,
-                 [(t.function.name, t.function.arguments) for t in c.message.tool_calls or ()])
-                for c in sorted(response.choices, key=lambda c: c.index)]
-    content, reasons = [""] * NUM_SEEDS, [None] * NUM_SEEDS
-    calls: list[list] = [[] for _ in range(NUM_SEEDS)]
-    for chunk in client.chat.completions.create(stream=True, **kwargs):
-        for c in chunk.choices:
-            content[c.index] += c.delta.content or ""
-            reasons[c.index] = c.finish_reason or reasons[c.index]
-            for t in c.delta.tool_calls or ():
-                calls[c.index].append((t.function.name, t.function.arguments))
-    return list(zip(content, reasons, calls, strict=True))
+    return chat_choices(client, stream, model="tiny", messages=USER, n=NUM_SEEDS, seed=1234, temperature=1.0,
+                        max_tokens=max_tokens, **kwargs)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])

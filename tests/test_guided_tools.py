@@ -16,7 +16,7 @@ import jsonschema
 import openai
 import pytest
 import torch
-from server_support import TINY, engine_server
+from server_support import TINY, chat_choices, engine_server
 
 from hybrid.guided import GrammarCache
 from server import harmony
@@ -81,25 +81,8 @@ def client(request, model_dir):
 
 def chat(client, stream: bool, tool_choice) -> list[tuple[str, str | None, list[tuple[str, str]]]]:
     """(content, finish_reason, calls as (name, arguments)) of each of NUM_SEEDS seeded choices."""
-    kwargs = {"model": "tiny", "messages": USER_MESSAGES, "n": NUM_SEEDS, "seed": 99, "temperature": 1.0,
-              "max_tokens": 400, "tools": TOOLS, "tool_choice": tool_choice}
-    if not stream:
-        response = client.chat.completions.create(**kwargs)
-        return [(c.message.content or "", c.finish_reason,
-                 [(t.function.name, t.function.arguments) for t in c.message.tool_calls or ()])
-                for c in sorted(response.choices, key=lambda c: c.index)]
-    content, reasons = [""] * NUM_SEEDS, [None] * NUM_SEEDS
-    calls: list[dict[int, list[str]]] = [{} for _ in range(NUM_SEEDS)]  # call index -> [name, arguments]
-    for chunk in client.chat.completions.create(stream=True, **kwargs):
-        for c in chunk.choices:
-            content[c.index] += c.delta.content or ""
-            reasons[c.index] = c.finish_reason or reasons[c.index]
-            for t in c.delta.tool_calls or ():
-                call = calls[c.index].setdefault(t.index, ["", ""])
-                call[0] += t.function.name or ""
-                call[1] += t.function.arguments or ""
-    return [(content[i], reasons[i], [tuple(call) for _, call in sorted(calls[i].items())])
-            for i in range(NUM_SEEDS)]
+    return chat_choices(client, stream, model="tiny", messages=USER_MESSAGES, n=NUM_SEEDS, seed=99,
+                        temperature=1.0, max_tokens=400, tools=TOOLS, tool_choice=tool_choice)
 
 
 def check_call(name: str, arguments: str) -> dict:
