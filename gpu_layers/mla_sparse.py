@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu_layers import mla
+from gpu_layers import mla, mla_cases
 from gpu_layers.capability import CAPABILITIES, GateCase, capability_of, num_sms, select
 from gpu_layers.mla import (
     LOG2E,
@@ -272,7 +272,7 @@ def gate_cases() -> list[GateCase]:
                 cases += [
                     GateCase(mla_sparse_kernel, _sparse_signature(dtype), constexprs, capability,
                              f"mla_sparse {dtype} {where} {cfg}", cfg.num_warps, cfg.num_stages),
-                    GateCase(mla_decode_reduce_kernel, mla._reduce_signature(dtype),
+                    GateCase(mla_decode_reduce_kernel, mla_cases.reduce_signature(dtype),
                              dict(R=rank, BLOCK_R=block_dim(rank)), capability,
                              f"mla_sparse reduce {dtype} {where}", REDUCE_WARPS, 1),
                 ]
