@@ -30,6 +30,7 @@ from cpu_experts.bench import ReadBandwidth, last_level_cache_bytes
 from cpu_experts.decode_pool import DecodePool
 from cpu_experts.module import CpuExperts
 from cpu_experts.topology import allowed_cpus, use_kernel_threads
+from hybrid.bench_guided import attach_tokenizer, guided_spec
 from hybrid.cli_args import add_arguments, from_namespace
 from hybrid.engine import Engine
 from hybrid.engine_config import EngineConfig
@@ -38,7 +39,6 @@ from hybrid.llm import LLM
 from hybrid.routed_experts import RoutedExperts
 from hybrid.sampling import GuidedSpec, SamplingParams
 from hybrid.synthetic import SHAPES, write_synthetic_checkpoint, write_synthetic_converted
-from hybrid.synthetic_tokenizer import write_synthetic_tokenizer
 
 DECODE_PROMPT_TOKENS = 16  # each decode request's prompt, by default
 LONG_CONTEXT_CHUNK = 8192  # prefill chunk of a long decode context (`--context`)
@@ -46,14 +46,6 @@ LONG_CONTEXT_CHUNK = 8192  # prefill chunk of a long decode context (`--context`
 # experts of the step before and read them from the last-level cache (300 MB on the H200 host), not from memory.
 DECODE_SAMPLING = SamplingParams(temperature=1.0, seed=0)
 GUIDED_ROUNDS = 2  # --guided-json: decode runs without and with the schema, alternated
-# --guided-json's default: objects of a directory listing, more of them than a run can write (an object is tens of
-# tokens), so that every constrained request runs its --tokens steps
-GUIDED_ITEM = {"type": "object", "properties": {
-    "id": {"type": "integer", "minimum": 0}, "name": {"type": "string", "maxLength": 24},
-    "kind": {"enum": ["file", "directory", "link"]}, "size": {"type": "number"},
-    "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 4},
-    "hidden": {"type": "boolean"}}, "required": ["id", "name", "kind", "size", "tags", "hidden"],
-    "additionalProperties": False}
 
 
 def converted_model(args) -> Path:
@@ -279,37 +271,6 @@ def _measure_decode(engine: Engine, llm: LLM, args, timer: CpuExpertsTimer) -> d
     hot_s = hot_call_seconds(llm, engine, args.batch)
     return dict(seconds=seconds, step_seconds=step_seconds, cpu=cpu, tokens=tokens, calls=calls, hot_s=hot_s,
                 gpu_only_s=gpu_only_s, graph_steps=graph_steps, cpu_wait_s=cpu_wait_s)
-
-
-def guided_spec(text: str | None, num_tokens: int) -> GuidedSpec | None:
-    """--guided-json's schema (a file or JSON text; "": the default, long enough for `num_tokens`)."""
-    if text is None:
-        return None
-    if not text:
-        return GuidedSpec("json_schema", json.dumps({"type": "array", "minItems": num_tokens + 1,
-                                                     "items": GUIDED_ITEM}))
-    if not text.lstrip().startswith(("{", "true", "false")):
-        text = Path(text).read_text()
-    try:
-        json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise SystemExit(f"hybrid-bench decode: --guided-json is not a JSON schema file or text: {exc}") from None
-    return GuidedSpec("json_schema", text)
-
-
-def attach_tokenizer(engine: Engine, path: Path, is_synthetic: bool) -> None:
-    """The grammars' tokenizer: the model's, or for a synthetic model one of its vocabulary's size, saved beside
-    it. Attached to the grammars alone: an engine with a tokenizer would detokenize every output, a cost the
-    comparison is not about."""
-    from transformers import AutoTokenizer
-
-    if is_synthetic:
-        write_synthetic_tokenizer(path, engine.llm.config.vocab_size)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise SystemExit(f"hybrid-bench decode: --guided-json needs the model's tokenizer in {path}: {exc}") from None
-    engine.grammars.attach_tokenizer(tokenizer)
 
 
 def measure_guided(engine: Engine, llm: LLM, args, spec: GuidedSpec, timer: CpuExpertsTimer) -> dict:
