@@ -6,7 +6,8 @@ The model is a converted directory (`--model`) or a synthetic one built and conv
 tokens. Per step the wall time is split into the CPU experts' compute (timed on the threads that run them) and the
 rest; the bound of a decode step is the routed experts' bytes read per step over the memory read bandwidth measured
 in the same run, just before and just after the timed steps (`cpu_experts.bench.ReadBandwidth`), plus the time
-outside the CPU experts that does not overlap them (on a CPU-only machine: all of it).
+outside the CPU experts that does not overlap them (on a CPU-only machine: all of it). The physical bound is the
+experts' bytes over that bandwidth alone (no GPU time): what no placement of the GPU work can beat.
 
 `--guided-json [SCHEMA]` (decode): the same decode without and with a JSON schema constraining every request
 (`hybrid.guided`; SCHEMA a file or JSON text, by default an array of objects too long to end within the run),
@@ -398,9 +399,10 @@ def run(args) -> dict:
     # Not overlapped with the CPU experts: on CUDA the step's GPU time (measured with the experts answering at
     # once, shared experts included, so the bound is a generous one), on the CPU everything else.
     exposed_s = gpu_only_s if gpu_only_s is not None else step_s - cpu_s
-    bound_s = expert_bytes_per_step(llm, routed_tokens) / read_bw + exposed_s
+    physical_s = expert_bytes_per_step(llm, routed_tokens) / read_bw  # the experts' reads alone, no GPU time
+    bound_s = physical_s + exposed_s
     if streamed_bytes is not None:  # the experts cross the link instead: its time is the floor
-        bound_s = streamed_bytes / link_bw
+        bound_s = physical_s = streamed_bytes / link_bw
     # tensor parallel: the CPU experts' bytes and bandwidth are rank 0's (its slice of I, read by its CPUs)
     return {"mode": args.mode, "model": str(path), "device": config.device, "batch": args.batch, "context": context,
             "tensor_parallel_size": config.tensor_parallel_size,
@@ -411,7 +413,8 @@ def run(args) -> dict:
             "step_max_ms": step_times[-1] * 1e3, "cpu_experts_ms": cpu_s * 1e3, "cpu_wait_ms": _ms(m["cpu_wait_s"]),
             "gpu_only_ms": _ms(gpu_only_s), "cpu_call_ms": m["cpu"] / m["calls"] * 1e3 if m["calls"] else None,
             "cpu_call_hot_ms": _ms(m["hot_s"]), "not_cpu_ms": (step_s - cpu_s) * 1e3, "read_gb_s": read_bw / 1e9,
-            "bound_ms": bound_s * 1e3, "of_bound": bound_s / step_s, "defer_experts": config.defer_experts,
+            "bound_ms": bound_s * 1e3, "of_bound": bound_s / step_s, "physical_bound_ms": physical_s * 1e3,
+            "of_physical_bound": physical_s / step_s, "defer_experts": config.defer_experts,
             "deferral_kl": kl, "streamed_gb": None if streamed_bytes is None else streamed_bytes / 1e9,
             "link_gb_s": None if link_bw is None else link_bw / 1e9, "profile": profile_rows,
             "num_layers": llm.config.num_layers, **guided}
@@ -459,7 +462,8 @@ def main(argv: list[str], mode: str) -> int:
           f"{row['decode_pool']}, GPU experts "
           f"{row['gpu_experts']}: {row['tokens_per_s']:.1f} tokens/s, step {row['step_ms']:.2f} ms (CPU experts "
           f"{row['cpu_experts_ms']:.2f}, rest {row['not_cpu_ms']:.2f}{gpu}); bound {row['bound_ms']:.2f} ms at "
-          f"{rate}: {row['of_bound']:.0%} of it")
+          f"{rate}: {row['of_bound']:.0%} of it; physical bound (the experts' bytes alone) "
+          f"{row['physical_bound_ms']:.2f} ms: {row['of_physical_bound']:.0%} of it")
     print(f"{row['steps']} steps ({row['graph_steps']} replayed as graphs): median {row['step_p50_ms']:.2f} ms, "
           f"slowest {row['step_max_ms']:.2f} ms")
     if row["cpu_wait_ms"] is not None:
