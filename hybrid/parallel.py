@@ -1,5 +1,6 @@
 """Tensor parallelism: the one place process-wide state lives (this process's rank and the ranks' count, its
-process groups), the collectives the layers call, and how a parameter is split over the ranks.
+process groups, the ranks' shared table of metrics), the collectives the layers call, and how a parameter is split
+over the ranks.
 
 As vLLM splits a model (Megatron-LM's scheme): each rank holds a slice of every large weight, the layers are built
 with per-rank sizes (heads / size, intermediate / size, vocabulary / size padded), and a layer whose last product is

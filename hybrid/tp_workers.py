@@ -12,6 +12,10 @@ inside). Commands, as tuples:
     ("close", id)                              close a graph runner
     ("stop",)                                  leave the loop and exit
 
+Metrics: each rank writes its numbers into its row of a table in shared memory that rank 0 hands to every rank at
+spawn (`hybrid.rank_stats`), at the end of each step; rank 0's server reads the rows, and each worker's liveness
+from its process's sentinel, without a command or a collective (`Workers.alive`).
+
 Failures: a worker that raises reports its traceback to rank 0 (a pipe) and exits, which closes its sockets, so
 rank 0's next collective fails at once over gloo; rank 0 then raises the worker's error (`Workers.raise_reported`).
 """
