@@ -93,12 +93,16 @@ def test_a_scrape_waits_for_no_rank(tp_server):
     try:
         request = threading.Thread(target=complete, args=(server, "held up"))
         request.start()
-        time.sleep(0.5)  # the engine thread is inside the step's broadcast by now
+        deadline = time.monotonic() + 30
+        while not llm.engine.scheduler.running:  # until the engine thread is in the step, waiting for rank 1
+            assert time.monotonic() < deadline, "the request's step did not start"
+            time.sleep(0.01)
         start = time.monotonic()
         text = scrape(server, timeout=5.0)
         assert time.monotonic() - start < 2.0
+        assert request.is_alive()  # the engine is still held in the step
         assert per_rank(text, "hybrid_rank_alive") == {0: 1.0, 1: 1.0}
-        assert per_rank(text, "hybrid_rank_steps_total")[1] == before[1]
+        assert per_rank(text, "hybrid_rank_steps_total") == before  # the last published numbers
     finally:
         os.kill(worker.pid, signal.SIGCONT)
     request.join(timeout=60)
