@@ -21,6 +21,7 @@ Contract:
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -66,6 +67,8 @@ class _ExpertsBase:
         self._layer: int | None = None  # layer of the submit in flight; None when nothing is pending
         self._num_tokens = 0
         self._error: BaseException | None = None  # the compute error sync() reports
+        # total seconds in compute (on the thread that runs it; read once the layer is synced), for the metrics
+        self.compute_seconds = 0.0
 
     def _validate(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> int:
         """Check shapes, dtypes and devices; return T."""
@@ -112,14 +115,18 @@ class _ExpertsBase:
         return event
 
     def _run(self, layer: int, num_tokens: int) -> None:
-        """Run compute on views of the fixed buffers."""
-        self.compute(
-            layer,
-            self.hidden_buffer[:num_tokens],
-            self.ids_buffer[:num_tokens],
-            self.weights_buffer[:num_tokens],
-            self.out_buffer[:num_tokens],
-        )
+        """Run compute on views of the fixed buffers (its seconds added to `compute_seconds`, failed or not)."""
+        start = time.perf_counter()
+        try:
+            self.compute(
+                layer,
+                self.hidden_buffer[:num_tokens],
+                self.ids_buffer[:num_tokens],
+                self.weights_buffer[:num_tokens],
+                self.out_buffer[:num_tokens],
+            )
+        finally:
+            self.compute_seconds += time.perf_counter() - start
 
     def _finish(self, error: BaseException | None) -> torch.Tensor:
         """The common end of sync: clear the pending submit, raise the compute error or return the output view."""

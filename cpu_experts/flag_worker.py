@@ -65,9 +65,9 @@ class FlagWorker(_ExpertsBase):
         self._served = 0
         self._expected = 0
         # Totals over all steps, for benchmarks' breakdowns: the worker's time waiting for the GPU to reach a MoE
-        # layer (the GPU's work before and between them, plus the hand-off) and its time computing them.
+        # layer (the GPU's work before and between them, plus the hand-off); its time computing them is the base
+        # class's `compute_seconds`.
         self.wait_seconds = 0.0
-        self.compute_seconds = 0.0
 
     def flag_address(self, slot: int) -> int:
         return self.flags.data_ptr() + slot * self.flags.element_size()
@@ -117,7 +117,6 @@ class FlagWorker(_ExpertsBase):
                 except Exception as exc:  # reported by finish_step; done is still posted so the GPU moves on
                     self._error = self._error or exc
                 waiting_since = time.perf_counter()
-                self.compute_seconds += waiting_since - start
                 self._done.value = value
                 self._served += 1
         finally:

@@ -32,6 +32,7 @@ from hybrid.models import load_model_config
 from hybrid.models.base import MoECausalLM
 from hybrid.parallel import check_tensor_parallel
 from hybrid.placement import ExpertPlacement, RoutingRecorder, RoutingStats, activation_bytes, auto_gpu_experts
+from hybrid.rank_stats import RankCounters, RankStats, RankTable
 from hybrid.routed_experts import RoutedExperts, cpu_experts_factory
 from hybrid.sampling import NON_FINITE_LOGITS, SamplingParams
 from hybrid.streaming import attach_streamed, min_streamed_tokens, reserve_bytes
@@ -164,6 +165,10 @@ class LLM:
                                                  self.num_state_snapshots, cfg.torch_dtype,
                                                  cfg.device) if is_recurrent else []
         self.num_forward_tokens = 0
+        # this rank's metrics, published into its row of the ranks' table (`hybrid.rank_stats`)
+        table = parallel.rank_table() if tp.size > 1 else RankTable(1, is_shared=False)
+        self.counters = RankCounters(table, tp.rank, cfg.device)
+        self.counters.publish()  # the memory of the weights and the KV cache, before any step
         self.runner = ModelRunner(self)  # eager: prefill_logits, and the engines that capture no graphs
 
     def _join_ranks(self, path: str | Path) -> Workers | None:
@@ -180,6 +185,13 @@ class LLM:
         tp = parallel.joined()
         self.engine_config = replace(cfg, device=rank_device(cfg.device, tp.rank))
         return workers
+
+    def rank_stats(self) -> tuple[RankStats, ...]:
+        """Every rank's numbers as each last published them (`hybrid.rank_stats`), rank 0 first (one for a
+        one-process LLM): rank 0's server reads them from any thread, without waiting for the engine or a worker."""
+        table = self.counters.table
+        is_alive = (True, *(self.workers.alive() if self.workers is not None else ()))
+        return tuple(table.read(rank, is_alive[rank]) for rank in range(len(is_alive)))
 
     def _leave_ranks(self) -> None:
         """Rank 0: the workers stopped and joined, the process groups left, torch's threads as they were."""
@@ -307,6 +319,7 @@ class LLM:
                 self.blocks.allocate(tables, num_computed + num_new)
                 seq = SequenceSlice(num_computed, num_new, tables, state_slot)
                 logits.append(self.runner.execute([seq], token_ids[num_computed:num_computed + num_new]))
+                self.runner.finish_step()  # the step's numbers published (`hybrid.rank_stats`)
                 num_computed += num_new
         finally:
             self.blocks.free(tables)

@@ -89,6 +89,7 @@ class ModelRunner:
     def _execute(self, seqs: Sequence[SequenceSlice], input_ids: list[int],
                  logit_rows: list[int] | None) -> torch.Tensor:
         self.llm.num_forward_tokens += len(input_ids)
+        self.llm.counters.num_steps += 1
         graphs = self.graphs
         inputs = self.prepare(seqs)
         # a graph step decodes every row from its cached context (and its recurrent state: the graph cannot zero
@@ -128,12 +129,27 @@ class ModelRunner:
                     pool.index_copy_(0, target_rows, pool.index_select(0, source_rows))
 
     def finish_step(self) -> None:
-        """After the host has read the step's logits: a graph step's CPU side is checked."""
+        """After the host has read the step's logits: a graph step's CPU side is checked; the rank's numbers are
+        published (`hybrid.rank_stats`)."""
+        try:
+            if self.graphs is not None:
+                self.graphs.finish_step()
+        finally:
+            counters = self.llm.counters
+            counters.add_cpu_seconds(self._cpu_sources())
+            counters.publish()
+
+    def _cpu_sources(self) -> list:
+        """What computes this runner's CPU experts, each with a cumulative `compute_seconds`: the model's executor
+        (eager steps, shared with the model's other runners), the graphs' flag worker and decode pool."""
+        sources = [self.llm.cpu_executor] if self.llm.cpu_executor is not None else []
         if self.graphs is not None:
-            self.graphs.finish_step()
+            sources += [s for s in (self.graphs.worker, self.graphs.pool) if s is not None]
+        return sources
 
     def close(self) -> None:
         if self.graphs is not None:
+            self.llm.counters.forget([s for s in (self.graphs.worker, self.graphs.pool) if s is not None])
             self.graphs.close()
         if self.runner_id is not None and not self.workers.is_stopped:
             self.workers.send(("close", self.runner_id))

@@ -1,5 +1,6 @@
 """Tensor parallelism: the one place process-wide state lives (this process's rank and the ranks' count, its
-process groups), the collectives the layers call, and how a parameter is split over the ranks.
+process groups, the ranks' shared table of metrics), the collectives the layers call, and how a parameter is split
+over the ranks.
 
 As vLLM splits a model (Megatron-LM's scheme): each rank holds a slice of every large weight, the layers are built
 with per-rank sizes (heads / size, intermediate / size, vocabulary / size padded), and a layer whose last product is
@@ -53,6 +54,7 @@ SINGLE = TensorParallel()
 _state = SINGLE  # the ranks this process joined (`init`)
 _device_group = None
 _host_group = None
+_rank_table = None  # every rank's published numbers (`hybrid.rank_stats.RankTable`, in shared memory)
 _building: TensorParallel | None = None  # the place of the model being built (`building`)
 
 
@@ -88,10 +90,11 @@ def set_nccl_environment() -> None:
     os.environ["NCCL_NVLS_ENABLE"] = "0"
 
 
-def init(rank: int, size: int, init_method: str, device: str) -> TensorParallel:
+def init(rank: int, size: int, init_method: str, device: str, rank_table=None) -> TensorParallel:
     """Joins the ranks (every rank calls this with the same `init_method`: 'tcp://host:port' or 'file://path');
-    tensors over NCCL on `device` when it is CUDA (this rank's `cuda:r`), else over gloo."""
-    global _state, _device_group, _host_group
+    tensors over NCCL on `device` when it is CUDA (this rank's `cuda:r`), else over gloo. `rank_table`: the shared
+    table each rank publishes its metrics into (`hybrid.rank_stats`), the same on every rank."""
+    global _state, _device_group, _host_group, _rank_table
     if is_initialized():
         raise RuntimeError(f"tensor parallelism is already initialized in this process ({_state}): close the other "
                            "tensor-parallel LLM first")
@@ -105,7 +108,7 @@ def init(rank: int, size: int, init_method: str, device: str) -> TensorParallel:
                             timeout=DEVICE_TIMEOUT, device_id=torch.device(device) if is_cuda else None)
     _device_group = dist.group.WORLD
     _host_group = dist.new_group(backend="gloo", timeout=HOST_TIMEOUT)
-    _state = tp
+    _state, _rank_table = tp, rank_table
     return tp
 
 
@@ -113,17 +116,22 @@ def destroy(is_abort: bool = False) -> None:
     """Leaves the ranks (the process groups); the process is one process again. Over NCCL, and with a peer gone
     (`is_abort`), the groups are aborted, which waits for nobody: on the H200 pair NCCL's destroy waited for the
     peer's, and hung for good once decode graphs had captured the collectives."""
-    global _state, _device_group, _host_group
+    global _state, _device_group, _host_group, _rank_table
     if dist.is_initialized():
         if is_abort or dist.get_backend() == "nccl":
             distributed_c10d._abort_process_group()
         else:
             dist.destroy_process_group()
-    _state, _device_group, _host_group = SINGLE, None, None
+    _state, _device_group, _host_group, _rank_table = SINGLE, None, None, None
 
 
 def host_group():
     return _host_group
+
+
+def rank_table():
+    """The table of the ranks this process joined (`init`), or None."""
+    return _rank_table
 
 
 def all_reduce(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:

@@ -12,6 +12,10 @@ inside). Commands, as tuples:
     ("close", id)                              close a graph runner
     ("stop",)                                  leave the loop and exit
 
+Metrics: each rank writes its numbers into its row of a table in shared memory that rank 0 hands to every rank at
+spawn (`hybrid.rank_stats`), at the end of each step; rank 0's server reads the rows, and each worker's liveness
+from its process's sentinel, without a command or a collective (`Workers.alive`).
+
 Failures: a worker that raises reports its traceback to rank 0 (a pipe) and exits, which closes its sockets, so
 rank 0's next collective fails at once over gloo; rank 0 then raises the worker's error (`Workers.raise_reported`).
 """
@@ -33,6 +37,7 @@ import torch.multiprocessing as mp
 from tqdm import tqdm
 
 from hybrid import parallel
+from hybrid.rank_stats import RankTable
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +75,9 @@ class Workers:
         context = mp.get_context("spawn")
         pipes = [context.Pipe(duplex=False) for _ in range(1, self.size)]  # (rank 0's end, the worker's)
         self.reports = [reader for reader, _ in pipes]
-        self.processes = [context.Process(target=worker_main, args=(str(path), config, rank, init_method, writer),
+        table = RankTable(self.size, is_shared=True)  # every rank's metrics (`hybrid.rank_stats`)
+        self.processes = [context.Process(target=worker_main,
+                                          args=(str(path), config, rank, init_method, writer, table),
                                           name=f"hybrid-tp-rank{rank}", daemon=True)
                           for rank, (_, writer) in enumerate(pipes, start=1)]
         for process in self.processes:
@@ -81,7 +88,7 @@ class Workers:
         self.is_stopped = False
         try:
             self._wait_joining()
-            parallel.init(0, self.size, init_method, rank_device(config.device, 0))
+            parallel.init(0, self.size, init_method, rank_device(config.device, 0), table)
         except BaseException:
             self._terminate()
             raise
@@ -101,6 +108,10 @@ class Workers:
                     del pending[rank]
                 elif message is not None:
                     raise RuntimeError(f"tensor-parallel {message}")
+
+    def alive(self) -> tuple[bool, ...]:
+        """Whether each worker's process lives, ranks 1..N-1; safe from any thread (its sentinel, no waitpid)."""
+        return tuple(not wait([p.sentinel], timeout=0) for p in self.processes)
 
     def wait_ready(self) -> None:
         """After rank 0 built its shard: every worker built its own (or the one that failed is raised)."""
@@ -180,9 +191,9 @@ def receive() -> tuple:
     return command[0]
 
 
-def worker_main(path: str, config, rank: int, init_method: str, report) -> None:
+def worker_main(path: str, config, rank: int, init_method: str, report, table: RankTable) -> None:
     """Rank `rank`'s process: joins the ranks, builds its shard of the model, serves rank 0's commands; a failure
-    goes to rank 0 through `report` (a pipe's sending end)."""
+    goes to rank 0 through `report` (a pipe's sending end); its metrics go into its row of `table`."""
     global _is_worker
     _is_worker = True
     # tqdm's default lock is a multiprocessing semaphore, which the fast exit below would leak: a thread lock does
@@ -192,7 +203,7 @@ def worker_main(path: str, config, rank: int, init_method: str, report) -> None:
         from hybrid.llm import LLM
 
         report.send(JOINING)
-        parallel.init(rank, config.tensor_parallel_size, init_method, rank_device(config.device, rank))
+        parallel.init(rank, config.tensor_parallel_size, init_method, rank_device(config.device, rank), table)
         llm = LLM(path, config)
         dist.barrier(group=parallel.host_group())  # this rank is ready (`Workers.wait_ready`)
         serve(llm)

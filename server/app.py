@@ -214,7 +214,8 @@ def build_app(config: ServerConfig, engine_loop: EngineLoop) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        return Response(state.metrics.render(engine_loop.stats()), media_type="text/plain; version=0.0.4")
+        return Response(state.metrics.render(engine_loop.stats(), engine_loop.rank_stats()),
+                        media_type="text/plain; version=0.0.4")
 
     return app
 

@@ -26,6 +26,7 @@ import torch
 
 from hybrid.detokenizer import IncrementalDetokenizer
 from hybrid.engine import EngineStats
+from hybrid.rank_stats import RankStats
 from hybrid.sampling import SamplingParams
 
 log = logging.getLogger("hybrid.server")
@@ -127,8 +128,8 @@ class StatsLogger:
 class EngineLoop:
     def __init__(self, engine, tokenizer, max_model_len: int, stats_log_interval: float = 0.0):
         """`engine`: a `hybrid.engine.Engine` (or anything with its add_request/step/finish/cancel/stats/has_work,
-        `requests` and `device`); `tokenizer` decodes its tokens (None: outputs carry token ids only);
-        `stats_log_interval`: seconds between `StatsLogger` lines (0: none)."""
+        `requests`, `device` and `llm`, None for a stand-in without a model); `tokenizer` decodes its tokens (None:
+        outputs carry token ids only); `stats_log_interval`: seconds between `StatsLogger` lines (0: none)."""
         self.engine = engine
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -161,6 +162,12 @@ class EngineLoop:
     def stats(self) -> EngineStats:
         """The engine's state after the last step (a snapshot the engine thread publishes)."""
         return self._stats
+
+    def rank_stats(self) -> tuple[RankStats, ...]:
+        """Each tensor-parallel rank's numbers as it last published them (`hybrid.rank_stats`: shared memory, read
+        without the engine or a collective); none for an engine without a model (`engine.llm` None)."""
+        llm = self.engine.llm
+        return llm.rank_stats() if llm is not None else ()
 
     # --- the engine thread ----------------------------------------------------------------------------------------
 

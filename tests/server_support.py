@@ -98,6 +98,7 @@ class ScriptedEngine:
     `max_num_seqs` requests run at once, in the order they came, the others wait (emit nothing)."""
 
     device = "cpu"
+    llm = None  # no model: no per-rank metrics
 
     def __init__(self, script: list[int], max_model_len: int = 512, num_blocks: int = 64,
                  max_num_seqs: int | None = None):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 
 import httpx
@@ -274,6 +275,10 @@ def test_metrics_count_requests_and_tokens(server, client):
     assert 'hybrid_requests_total{endpoint="/v1/chat/completions",status="401"}' in text
     assert server.metric("hybrid_time_to_first_token_seconds_count") > 0
     assert server.metric("hybrid_inter_token_latency_seconds_count") > 0
+    # one process: its own series as rank "0" (tensor parallel: one per rank, tests/test_tp_metrics.py)
+    steps = re.findall(r'^hybrid_rank_steps_total\{rank="(\d+)"\} (\S+)$', text, re.MULTILINE)
+    assert [rank for rank, _ in steps] == ["0"] and float(steps[0][1]) == server.engine.llm.counters.num_steps > 0
+    assert 'hybrid_rank_alive{rank="0"} 1.0' in text
 
 
 def test_logprobs(client):
