@@ -1,0 +1,142 @@
+"""Dynamic hot experts (`hybrid.hot_experts`) on the CPU (float32, the tiny DeepSeek-V3 checkpoint converted to
+int8, float activations; the engine's device stands in for the GPU): the policy's hysteresis, the swapped-in
+weights equal to the loader's, the slot table consistent after every step, and decode with a swap every step giving
+the tokens of a fixed placement."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from checkpoints import SEEDS, VARIANTS, make_checkpoint, prompt
+
+from hybrid import LLM
+from hybrid.engine import Engine
+from hybrid.errors import ConfigError
+from hybrid.hot_experts import SwapPolicy, dequantize_expert
+from hybrid.routed_experts import RoutedExperts
+
+PROMPTS = [prompt(n, seed=700 + n) for n in (3, 9, 17)]
+ARGS = dict(device="cpu", dtype="float32", expert_activations="float")
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    from convert.cli import main
+
+    path = tmp_path_factory.mktemp("hot")
+    make_checkpoint(VARIANTS["deepseek_v3"](), path / "src", seed=SEEDS["deepseek_v3"])  # 8 experts, top-3
+    assert main([str(path / "src"), str(path / "dst"), "--expert-dtype", "int8"]) == 0
+    return path / "dst"
+
+
+def routed(llm) -> list[RoutedExperts]:
+    return [m for m in llm.model.modules() if isinstance(m, RoutedExperts)]
+
+
+class EverySwap(SwapPolicy):
+    """Forces one swap per layer per decision whatever the counts: the coldest resident (lowest id on ties) for the
+    absent expert after the last one admitted, round-robin."""
+
+    def swaps(self, scores, resident):
+        absent = [e for e in range(len(scores)) if e not in set(resident)]
+        return [(min(resident), absent[len(resident) % len(absent)])]
+
+
+def check_slot_table(module: RoutedExperts) -> None:
+    """No expert both resident and absent: the slots hold exactly gpu_expert_ids, the table points at them, and
+    the CPU side gets exactly the other experts."""
+    resident = [e for e in module.slot_experts if e >= 0]
+    assert sorted(resident) == list(module.gpu_expert_ids) and len(set(resident)) == len(resident)
+    table = module.local_slot.tolist()
+    for expert in range(module.num_experts):
+        want = module.slot_experts.index(expert) if expert in resident else -1
+        assert table[expert] == want, (module.layer_idx, expert)
+    ids = torch.arange(module.num_experts).view(-1, 1)
+    local, cpu_ids = module._split(ids)
+    is_resident = torch.tensor([e in resident for e in range(module.num_experts)]).view(-1, 1)
+    assert torch.equal(cpu_ids, torch.where(is_resident, -1, ids))
+    assert torch.equal(local >= 0, is_resident)
+
+
+def test_policy_swaps_the_hottest_absent_for_the_coldest_resident_with_hysteresis():
+    policy = SwapPolicy(max_swaps=2, min_ratio=1.5)
+    scores = [10, 0, 1, 30, 2, 16, 0, 0]
+    assert policy.swaps(scores, (0, 1, 2)) == [(1, 3), (2, 5)]  # 30 > 1.5 x 0, 16 > 1.5 x 1
+    assert policy.swaps(scores, (3, 5, 0)) == []  # 2 is not 1.5 x 10: no thrash between near-equal experts
+    assert SwapPolicy(max_swaps=1).swaps(scores, (0, 1, 2)) == [(1, 3)]
+    assert policy.score([4.0, 2.0], [1, 0]) == [3.0, 1.0]  # older windows decay
+    with pytest.raises(ConfigError, match="hot_experts_swaps must be >= 1"):
+        SwapPolicy(max_swaps=0)
+
+
+def test_swapped_in_weights_are_the_loaders(converted):
+    """A converted directory's resident experts, as the loader filled their slots, equal `dequantize_expert` of
+    the CPU operator's copy bit for bit."""
+    llm = LLM(converted, gpu_experts=3, **ARGS)
+    for module in routed(llm):
+        packed = module.cpu_experts.op.layer
+        for slot, expert in enumerate(module.slot_experts):
+            for name, weight in zip(module.proj_names, dequantize_expert(packed, expert), strict=True):
+                assert torch.equal(getattr(module, name).data[slot], weight), (module.layer_idx, expert, name)
+
+
+@pytest.mark.parametrize("dtype,group_size", [("int8", 0), ("int4", 32), ("bf16", 0)])
+def test_an_expert_is_joined_over_the_partitions(dtype, group_size):
+    """Partitions split I: the expert dequantized from them is the whole stored matrix's dequantization."""
+    from cpu_experts.expert_file import dequantize_matrix
+    from cpu_experts.packed import PackedLayer, quantize_layer
+
+    g = torch.Generator().manual_seed(5)
+    num_experts, inter, hidden = 3, 96, 64
+    gate, up = (torch.randn(num_experts, inter, hidden, generator=g) for _ in range(2))
+    down = torch.randn(num_experts, hidden, inter, generator=g)
+    tensors, spec = quantize_layer(gate, up, down, dtype, group_size)
+    packed = PackedLayer.from_file_tensors(tensors, spec, num_partitions=2)
+    assert len(packed.partitions) == 2
+    for expert in range(num_experts):
+        for role, got in zip(("gate", "up", "down"), dequantize_expert(packed, expert), strict=True):
+            scales = tensors.get(f"{role}.scales")
+            want = dequantize_matrix(tensors[f"{role}.weight"][expert],
+                                     None if scales is None else scales[expert], role, spec)
+            assert torch.equal(got, want), (dtype, expert, role)
+
+
+def test_config_refuses_hot_experts_without_spare_slots(converted):
+    with pytest.raises(ConfigError, match="raise gpu_experts above 1"):
+        LLM(converted, gpu_experts=1, hot_experts_interval=4, **ARGS)
+    with pytest.raises(ConfigError, match="hot_experts_interval must be >= 0"):
+        LLM(converted, hot_experts_interval=-1, **ARGS)
+
+
+def test_a_swap_every_step_gives_the_fixed_placements_tokens(converted):
+    """Several requests decoding together while every step flips the last step's swap and starts the next: the
+    slot table stays consistent after each step, swaps happen, the tokens equal a fixed placement's, and the moved
+    placement's logits equal the same placement installed before any step (bit for bit) and the fixed one's within
+    float rounding (the two sides sum their experts separately)."""
+    hot = LLM(converted, gpu_experts=4, hot_experts_interval=1, **ARGS)  # 3 resident + 1 spare per layer
+    hot.hot_experts.policy = EverySwap()
+    engine = Engine(hot, max_num_batched_tokens=16, max_num_seqs=4)
+    ids = [engine.add_request(p, max_tokens=8, ignore_eos=True) for p in PROMPTS]
+    num_steps = 0
+    while engine.has_work():
+        engine.step()
+        num_steps += 1
+        for module in routed(hot):
+            check_slot_table(module)
+    layers = routed(hot)
+    assert hot.hot_experts.num_swaps >= len(layers) * (num_steps - 1)
+    assert any(m.gpu_expert_ids != (0, 1, 2) for m in layers)
+    got = [engine.requests[i].output_ids for i in ids]
+    fixed = LLM(converted, gpu_experts=3, **ARGS)
+    assert Engine(fixed, max_num_batched_tokens=16, max_num_seqs=4).generate(PROMPTS, max_tokens=8,
+                                                                           ignore_eos=True) == got
+    installed = LLM(converted, gpu_experts=4, hot_experts_interval=1, **ARGS)  # the same swaps, no step between
+    installed.hot_experts.policy = EverySwap()
+    installed.prefill_logits(PROMPTS[0])  # the routers' counts exist (the policy ignores them)
+    for _ in range(num_steps):
+        installed.hot_experts.after_step()
+    assert [m.slot_experts for m in routed(installed)] == [m.slot_experts for m in layers]
+    moved = hot.prefill_logits(PROMPTS[2])
+    assert torch.equal(moved, installed.prefill_logits(PROMPTS[2]))
+    want = fixed.prefill_logits(PROMPTS[2])
+    assert (moved - want).abs().max() <= 1e-4 * want.abs().max()
