@@ -408,6 +408,7 @@ def run(args) -> dict:
             "tensor_parallel_size": config.tensor_parallel_size,
             "cuda_graph": engine.runner.graphs is not None, "decode_pool": _decode_pool(engine) is not None,
             "gpu_experts": llm.num_gpu_experts,
+            "hot_expert_swaps": llm.hot_experts.num_swaps if llm.hot_experts is not None else None,
             "tokens_per_s": m["tokens"] / m["seconds"], "step_ms": step_s * 1e3, "steps": steps,
             "graph_steps": m["graph_steps"], "step_p50_ms": step_times[len(step_times) // 2] * 1e3,
             "step_max_ms": step_times[-1] * 1e3, "cpu_experts_ms": cpu_s * 1e3, "cpu_wait_ms": _ms(m["cpu_wait_s"]),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from checkpoints import SEEDS, VARIANTS, make_checkpoint, prompt
+from hot_experts_support import EverySwap, check_slot_table
 
 from hybrid import LLM
 from hybrid.engine import Engine
@@ -31,31 +32,6 @@ def converted(tmp_path_factory):
 
 def routed(llm) -> list[RoutedExperts]:
     return [m for m in llm.model.modules() if isinstance(m, RoutedExperts)]
-
-
-class EverySwap(SwapPolicy):
-    """Forces one swap per layer per decision whatever the counts: the coldest resident (lowest id on ties) for the
-    absent expert after the last one admitted, round-robin."""
-
-    def swaps(self, scores, resident):
-        absent = [e for e in range(len(scores)) if e not in set(resident)]
-        return [(min(resident), absent[len(resident) % len(absent)])]
-
-
-def check_slot_table(module: RoutedExperts) -> None:
-    """No expert both resident and absent: the slots hold exactly gpu_expert_ids, the table points at them, and
-    the CPU side gets exactly the other experts."""
-    resident = [e for e in module.slot_experts if e >= 0]
-    assert sorted(resident) == list(module.gpu_expert_ids) and len(set(resident)) == len(resident)
-    table = module.local_slot.tolist()
-    for expert in range(module.num_experts):
-        want = module.slot_experts.index(expert) if expert in resident else -1
-        assert table[expert] == want, (module.layer_idx, expert)
-    ids = torch.arange(module.num_experts).view(-1, 1)
-    local, cpu_ids = module._split(ids)
-    is_resident = torch.tensor([e in resident for e in range(module.num_experts)]).view(-1, 1)
-    assert torch.equal(cpu_ids, torch.where(is_resident, -1, ids))
-    assert torch.equal(local >= 0, is_resident)
 
 
 def test_policy_swaps_the_hottest_absent_for_the_coldest_resident_with_hysteresis():
