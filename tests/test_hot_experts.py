@@ -116,3 +116,31 @@ def test_a_swap_every_step_gives_the_fixed_placements_tokens(converted):
     assert torch.equal(moved, installed.prefill_logits(PROMPTS[2]))
     want = fixed.prefill_logits(PROMPTS[2])
     assert (moved - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+def test_the_routers_counts_move_the_hottest_expert_in(converted):
+    """Counts as the routers record them: every `interval` steps a decision, its copy flipped at the next
+    between-steps call; an idle engine decides at once if steps ran since the last decision."""
+    hot = LLM(converted, gpu_experts=4, hot_experts_interval=2, **ARGS)  # residents 0, 1, 2 and a spare slot
+    recorder, mover = hot.record_routing(), hot.hot_experts
+    layers = routed(hot)
+    for module in layers:  # expert 7 hot, 2 cold
+        recorder.add(module.layer_idx, torch.tensor([[7, 0, 1]] * 6))
+    mover.after_step()
+    assert not mover.pending and mover.num_swaps == 0  # not a decision step
+    mover.after_step()
+    assert [(p.evict, p.admit) for p in mover.pending] == [(2, 7)] * len(layers) and mover.num_swaps == 0
+    mover.after_step()  # the copies landed (synchronous on the CPU): flipped
+    assert mover.num_swaps == len(layers) and all(m.gpu_expert_ids == (0, 1, 7) for m in layers)
+    for module in layers:
+        check_slot_table(module)
+        recorder.add(module.layer_idx, torch.tensor([[2, 0, 1]] * 3))  # 3 > 1.5 x 7 x 0.5 (decayed): not yet
+    mover.at_idle()  # a step ran since the last decision: decided now, on the decayed scores
+    assert not mover.pending and mover.scores[layers[0].layer_idx][2] == 3.0
+    mover.at_idle()  # no step since: nothing to decide
+    for module in layers:
+        recorder.add(module.layer_idx, torch.tensor([[2, 0, 1]] * 20))
+    mover.after_step()  # step 4: 21.5 against 1.5
+    assert [(p.evict, p.admit) for p in mover.pending] == [(7, 2)] * len(layers)
+    mover.at_idle()  # landed: flipped
+    assert mover.num_swaps == 2 * len(layers) and all(m.gpu_expert_ids == (0, 1, 2) for m in layers)
