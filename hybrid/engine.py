@@ -79,6 +79,8 @@ class Engine:
         self.device = llm.engine_config.device
         self.block_size = llm.engine_config.block_size
         self.blocks = llm.blocks  # the model's one owner of KV pages (LLM.prefill_logits allocates from it too)
+        if llm.hot_experts is not None:
+            llm.hot_experts.drain()  # no copy thread issues CUDA calls while the runner captures graphs
         self.runner = ModelRunner.for_engine(llm, max_num_seqs, allow_cuda_graphs)
         self.scheduler = Scheduler(self.blocks, max_num_batched_tokens, max_num_seqs)
         self.requests: dict[int, Request] = {}

@@ -217,7 +217,15 @@ class HotExperts:
             self.num_swaps += 1
         self.pending = waiting
 
+    def drain(self) -> None:
+        """Waits until every started copy is done on the device (before a graph capture: no other thread may
+        issue CUDA work during one); their flips still come at the next between-steps call."""
+        for swap in self.pending:
+            if swap.copied is not None:
+                swap.copied.result().synchronize()
+
     def close(self) -> None:
+        self.drain()
         if self._worker is not None:
             self._worker.shutdown(wait=True)
 
