@@ -110,7 +110,7 @@ class PendingSwap:
     evict: int
     admit: int
     slot: int
-    copied: Future | None = None  # CUDA: the background copy, which returns its event
+    copied: Future | None = None  # CUDA: the background copy, which returns its event (and pinned sources)
 
 
 class HotExperts:
@@ -184,24 +184,24 @@ class HotExperts:
             module.write_slot(slot, *dequantize_expert(module.cpu_experts.op.layer, admit))
         self.pending.append(swap)
 
-    def _copy_on_stream(self, module, slot: int, expert: int, freed) -> torch.cuda.Event:
+    def _copy_on_stream(self, module, slot: int, expert: int, freed) -> tuple[torch.cuda.Event, list]:
+        """The worker thread's part: (the copy's event, its pinned sources, which must live until it is done)."""
         weights = [w.to(module.slot_dtype).pin_memory() for w in dequantize_expert(module.cpu_experts.op.layer,
                                                                                     expert)]
-        with torch.cuda.stream(self._stream):
+        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
             if freed is not None:
                 self._stream.wait_event(freed)  # every step that read the slot's evicted expert is over
             module.write_slot(slot, *weights)
             event = torch.cuda.Event()
             event.record(self._stream)
-        event.weights = weights  # the pinned sources live until the copy is done
-        return event
+        return event, weights
 
     def _has_landed(self, swap: PendingSwap) -> bool:
         if swap.copied is None:
             return True
         if not swap.copied.done():
             return False
-        return swap.copied.result().query()
+        return swap.copied.result()[0].query()
 
     def _flip_landed(self) -> None:
         waiting = []
@@ -222,7 +222,7 @@ class HotExperts:
         issue CUDA work during one); their flips still come at the next between-steps call."""
         for swap in self.pending:
             if swap.copied is not None:
-                swap.copied.result().synchronize()
+                swap.copied.result()[0].synchronize()
 
     def close(self) -> None:
         self.drain()
