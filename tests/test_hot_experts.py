@@ -144,3 +144,32 @@ def test_the_routers_counts_move_the_hottest_expert_in(converted):
     assert [(p.evict, p.admit) for p in mover.pending] == [(7, 2)] * len(layers)
     mover.at_idle()  # landed: flipped
     assert mover.num_swaps == 2 * len(layers) and all(m.gpu_expert_ids == (0, 1, 2) for m in layers)
+
+
+def test_skewed_routing_weights_skew_the_routing_per_band(tmp_path):
+    """`hybrid.synthetic_routing` on the tiny Qwen3-MoE (its tensors written over the model's, from pool-like tiles
+    of std 0.02): a band's tokens route mostly to a few experts, another band's to others, and lm_head favours the
+    band of the token it reads (what keeps a sampled decode in its band)."""
+    from hybrid.synthetic_routing import SkewedRouting
+
+    make_checkpoint(VARIANTS["qwen3_moe"](), tmp_path, seed=SEEDS["qwen3_moe"])
+    llm = LLM(tmp_path, device="cpu", dtype="float32", expert_placement="device")
+    skew = SkewedRouting(zipf=2.0, num_phases=2, tokens_per_shift=64, noise=0.5, seed=3)
+    targets = llm.model.checkpoint_targets()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, value in skew.tensors(llm.model).items():
+            targets[name].copy_(value((torch.randn(targets[name].shape, generator=g) * 0.02).bfloat16()))
+    recorder, top = llm.record_routing(), {}
+    vocab, top_k = llm.config.vocab_size, llm.config.moe.top_k
+    for band in (0, 1):
+        recorder.counts.clear()
+        ids = list(range(band + 2, vocab, 2))[:48]
+        logits = llm.prefill_logits(ids)[-1]
+        in_band = logits[band::2].mean() - logits[1 - band::2].mean()
+        assert in_band > 2.0, float(in_band)  # ln(64) ~ 4.2 designed
+        for layer, counts in recorder.stats().counts.items():
+            ranked = sorted(range(len(counts)), key=lambda e: -counts[e])
+            assert sum(counts[e] for e in ranked[:top_k]) > 0.6 * sum(counts), (band, layer, counts)
+            top[band, layer] = set(ranked[:top_k])
+    assert any(top[0, layer] != top[1, layer] for layer in llm.config.moe_layer_indices)
