@@ -82,6 +82,12 @@ def test_config_refuses_hot_experts_without_spare_slots(converted):
         LLM(converted, gpu_experts=1, hot_experts_interval=4, **ARGS)
     with pytest.raises(ConfigError, match="hot_experts_interval must be >= 0"):
         LLM(converted, hot_experts_interval=-1, **ARGS)
+    from hybrid.engine_config import EngineConfig
+    from hybrid.parallel import check_tensor_parallel
+
+    llm = LLM(converted, **ARGS)
+    with pytest.raises(ConfigError, match="not supported with tensor parallelism.*hot_experts_interval 0"):
+        check_tensor_parallel(llm.config, EngineConfig(tensor_parallel_size=2, hot_experts_interval=4), True)
 
 
 def test_a_swap_every_step_gives_the_fixed_placements_tokens(converted):
