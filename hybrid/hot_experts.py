@@ -121,6 +121,11 @@ class HotExperts:
         if interval < 1:
             raise ConfigError(f"hot_experts_interval must be >= 1 to move experts, got {interval}")
         self.layers = {m.layer_idx: m for m in layers}
+        with torch.no_grad():  # spare slots start as zeros, not whatever the allocator left (no kernel reads NaN)
+            for module in layers:
+                for slot in module.free_slots():
+                    for name in module.proj_names:
+                        getattr(module, name).data[slot].zero_()
         self.recorder = recorder
         self.interval = interval
         self.policy = policy
