@@ -40,6 +40,7 @@ from hybrid.llm import LLM
 from hybrid.routed_experts import RoutedExperts
 from hybrid.sampling import GuidedSpec, SamplingParams
 from hybrid.synthetic import SHAPES, write_synthetic_checkpoint, write_synthetic_converted
+from hybrid.synthetic_routing import SkewedRouting
 
 DECODE_PROMPT_TOKENS = 16  # each decode request's prompt, by default
 LONG_CONTEXT_CHUNK = 8192  # prefill chunk of a long decode context (`--context`)
@@ -51,23 +52,28 @@ GUIDED_ROUNDS = 2  # --guided-json: decode runs without and with the schema, alt
 
 def converted_model(args) -> Path:
     if args.model:
+        if args.skewed_routing:
+            raise SystemExit("--skewed-routing writes a synthetic model: leave out --model")
         return Path(args.model)
     from convert.cli import main as convert
 
+    skew = SkewedRouting(tokens_per_shift=args.skewed_routing) if args.skewed_routing else None
+    tag = f"-skew{args.skewed_routing}" if skew else ""
+
     workdir = Path(args.workdir or tempfile.gettempdir()) / "hybrid-bench-engine"
     group = [] if args.group_size is None else ["--group-size", str(args.group_size)]
-    name = f"{args.synthetic}-{args.layers}l-{args.expert_dtype}{''.join(group[1:]) and f'-g{args.group_size}'}"
+    name = f"{args.synthetic}-{args.layers}l{tag}-{args.expert_dtype}{''.join(group[1:]) and f'-g{args.group_size}'}"
     if args.no_source:
         dst = workdir / f"{name}-direct"
         if not (dst / "hybrid.json").exists():
             default_group = 128 if args.expert_dtype == "int4" else 0  # hybrid-convert's defaults
             write_synthetic_converted(dst, args.synthetic, args.layers, args.expert_dtype,
-                                      default_group if args.group_size is None else args.group_size)
+                                      default_group if args.group_size is None else args.group_size, skew=skew)
         return dst
-    src = workdir / f"{args.synthetic}-{args.layers}l"
+    src = workdir / f"{args.synthetic}-{args.layers}l{tag}"
     dst = workdir / name
     if not (src / "config.json").exists():
-        write_synthetic_checkpoint(src, args.synthetic, args.layers)
+        write_synthetic_checkpoint(src, args.synthetic, args.layers, skew=skew)
     if not (dst / "hybrid.json").exists():
         convert([str(src), str(dst), "--expert-dtype", args.expert_dtype, *group])
     return dst
@@ -408,6 +414,7 @@ def run(args) -> dict:
             "tensor_parallel_size": config.tensor_parallel_size,
             "cuda_graph": engine.runner.graphs is not None, "decode_pool": _decode_pool(engine) is not None,
             "gpu_experts": llm.num_gpu_experts,
+            "hot_expert_swaps": llm.hot_experts.num_swaps if llm.hot_experts is not None else None,
             "tokens_per_s": m["tokens"] / m["seconds"], "step_ms": step_s * 1e3, "steps": steps,
             "graph_steps": m["graph_steps"], "step_p50_ms": step_times[len(step_times) // 2] * 1e3,
             "step_max_ms": step_times[-1] * 1e3, "cpu_experts_ms": cpu_s * 1e3, "cpu_wait_ms": _ms(m["cpu_wait_s"]),
@@ -430,6 +437,9 @@ def main(argv: list[str], mode: str) -> int:
     parser.add_argument("--no-source", action="store_true",
                         help="synthetic: write the converted model directly (random expert codes, one expert file "
                              "every MoE layer loads), for shapes whose bf16 source does not fit beside it")
+    parser.add_argument("--skewed-routing", type=int, nargs="?", const=256, default=0, metavar="TOKENS",
+                        help="synthetic: Zipf-skewed expert popularity per layer that shifts about every TOKENS "
+                             "sampled tokens (default 256; hybrid.synthetic_routing), for --hot-experts-interval")
     parser.add_argument("--batch", type=int, default=1, help="decode: concurrent requests")
     parser.add_argument("--tokens", type=int, default=32 if mode == "decode" else 2048)
     if mode == "decode":

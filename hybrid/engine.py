@@ -79,6 +79,8 @@ class Engine:
         self.device = llm.engine_config.device
         self.block_size = llm.engine_config.block_size
         self.blocks = llm.blocks  # the model's one owner of KV pages (LLM.prefill_logits allocates from it too)
+        if llm.hot_experts is not None:
+            llm.hot_experts.drain()  # no copy thread issues CUDA calls while the runner captures graphs
         self.runner = ModelRunner.for_engine(llm, max_num_seqs, allow_cuda_graphs)
         self.scheduler = Scheduler(self.blocks, max_num_batched_tokens, max_num_seqs)
         self.requests: dict[int, Request] = {}
@@ -153,12 +155,17 @@ class Engine:
     def step(self) -> list[StepOutput]:
         chunks = self.scheduler.schedule()
         self.runner.copy_states(self.scheduler.take_state_copies())  # state snapshots restored on admission
+        hot = self.llm.hot_experts
         if not chunks:
+            if hot is not None:
+                hot.at_idle()  # experts move while no step runs
             return []
         logits = self.runner.execute_chunks(chunks)
         outputs = self._update(chunks, logits)
         self.runner.copy_states(self.scheduler.take_state_copies())  # snapshots of the states this step ended at
         self.runner.finish_step()  # the update read the logits: the step's GPU work is over
+        if hot is not None:
+            hot.after_step()  # between steps: swaps flip, copies start (`hybrid.hot_experts`)
         return outputs
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | None = None, max_tokens: int = 16,

@@ -81,6 +81,16 @@ class EngineConfig:
         "weights over PCIe (CUDA only; 0: never; 'auto': 16 x experts / top-k tokens)"))
     gpu_memory_utilization: float = field(default=0.9, metadata=_help(
         "with --gpu-experts auto: the fraction of GPU memory the engine may fill"))
+    # capped "auto" (a benchmark's GPU that holds a quarter of the experts)
+    max_gpu_experts: int | None = field(default=None, metadata=_help(
+        "with --gpu-experts auto: at most this many routed experts per MoE layer on the GPU"))
+    # `hybrid.hot_experts`: the GPU-resident experts follow the routers' counts; hot_experts_swaps of the
+    # gpu_experts slots per layer stay free for the copies, so gpu_experts must exceed it
+    hot_experts_interval: int = field(default=0, metadata=_help(
+        "every this many engine steps (and when idle) swap the most routed CPU experts into the GPU slots in place "
+        "of the least routed resident ones (0: placement fixed at start-up)"))
+    hot_experts_swaps: int = field(default=1, metadata=_help(
+        "with --hot-experts-interval: experts swapped per MoE layer at a time (GPU slots kept spare for them)"))
     routing_stats: str | None = field(default=None, metadata=_help(
         "JSON file of per-layer routing counts that picks the GPU-resident experts (from --record-routing)"))
     record_routing: str | None = field(default=None, metadata=_help(
@@ -121,6 +131,11 @@ class EngineConfig:
                 and 0 < self.gpu_prefill_tokens <= self.max_graph_batch:
             raise ConfigError(f"gpu_prefill_tokens {self.gpu_prefill_tokens} must be above max_graph_batch "
                               f"{self.max_graph_batch} (graph steps hand their experts to the CPU), or 0")
+        if self.hot_experts_interval < 0 or self.hot_experts_swaps < 1:
+            raise ConfigError(f"hot_experts_interval must be >= 0 (0: off) and hot_experts_swaps >= 1, got "
+                              f"{self.hot_experts_interval} and {self.hot_experts_swaps}")
+        if self.max_gpu_experts is not None and self.max_gpu_experts < 0:
+            raise ConfigError(f"max_gpu_experts must be >= 0, got {self.max_gpu_experts}")
         if self.defer_experts < 0:
             raise ConfigError(f"defer_experts must be >= 0, got {self.defer_experts}")
         if self.expert_placement not in EXPERT_PLACEMENTS:

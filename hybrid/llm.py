@@ -24,6 +24,7 @@ from hybrid.cpu_handoff import CpuHandoff
 from hybrid.engine_config import EngineConfig
 from hybrid.errors import ConfigError
 from hybrid.forward_batch import SequenceSlice
+from hybrid.hot_experts import HotExperts, SwapPolicy, check_hot_experts
 from hybrid.kv_cache import allocate_kv_cache, allocate_state_cache, kv_cache_bytes, state_slot_bytes
 from hybrid.layers.backends import Backends, uses_gemm_kernels
 from hybrid.loader import load_weights
@@ -115,6 +116,9 @@ class LLM:
         self.cpu_handoff = CpuHandoff() if is_cpu_experts else None
         if is_cpu_experts:
             self.num_gpu_experts = self._resolve_gpu_experts(cls, num_blocks)
+            if cfg.hot_experts_interval:
+                check_hot_experts(cfg.hot_experts_interval, cfg.hot_experts_swaps, self.num_gpu_experts,
+                                  moe.num_experts)
             make_experts = self._cpu_experts_factory(self.num_gpu_experts)
         if cfg.defer_experts >= self.config.moe.top_k:
             raise ConfigError(f"defer_experts {cfg.defer_experts} must be below the model's top-k routing "
@@ -141,6 +145,11 @@ class LLM:
         self.routing_recorder: RoutingRecorder | None = None
         if cfg.record_routing:
             self.record_routing()
+        self.hot_experts: HotExperts | None = None  # the engine calls it between steps
+        if is_cpu_experts and cfg.hot_experts_interval:
+            layers = [m for m in self.model.modules() if isinstance(m, RoutedExperts) and m.free_slots()]
+            self.hot_experts = HotExperts(layers, self.record_routing(), cfg.hot_experts_interval,
+                                          SwapPolicy(max_swaps=cfg.hot_experts_swaps), cfg.device)
         # CPU experts run on one executor thread, overlapped with the shared experts (on CUDA leaving one CPU to the
         # thread that drives the GPU)
         self.cpu_executor = None
@@ -233,6 +242,8 @@ class LLM:
             self.routing_recorder.stats().write(self.engine_config.record_routing)
         if self.engine is not None:  # the caller's too: its graphs must go before the ranks are left
             self.engine.close()  # detaches it
+        if self.hot_experts is not None:
+            self.hot_experts.close()
         if self.cpu_executor is not None:
             self.cpu_executor.close()
         if self.expert_stream is not None:
@@ -267,23 +278,26 @@ class LLM:
         moe = self.config.moe
         streaming = reserve_bytes(moe.num_experts, self.config.hidden_size, moe.intermediate_size) \
             if self.gpu_prefill_tokens else 0
-        return auto_gpu_experts(self.config, budgets, dense_bytes + kv_bytes,
+        fits = auto_gpu_experts(self.config, budgets, dense_bytes + kv_bytes,
                                 activation_bytes(self.config, self.max_model_len) + streaming,
                                 cfg.torch_dtype.itemsize)
+        return fits if cfg.max_gpu_experts is None else min(fits, cfg.max_gpu_experts)
 
     def _cpu_experts_factory(self, num_gpu_experts: int):
         """Each MoE layer's `RoutedExperts`: the CPU operator, less the experts `gpu_experts` keeps on the engine's
-        device (placement chosen here, once), with streamed prefill where `gpu_prefill_tokens` asks for it."""
+        device (placement chosen here, once: hot experts then move it, `hybrid.hot_experts`, keeping
+        `hot_experts_swaps` of the slots spare), with streamed prefill where `gpu_prefill_tokens` asks for it."""
         cfg = self.engine_config
         placement = None
+        num_spare = cfg.hot_experts_swaps if cfg.hot_experts_interval and num_gpu_experts else 0
         if num_gpu_experts:
             stats = RoutingStats.read(cfg.routing_stats) if cfg.routing_stats else None
             placement = ExpertPlacement.choose(self.config.moe_layer_indices, self.config.moe.num_experts,
-                                               num_gpu_experts, stats, num_ranks=self.tp.size)
+                                               num_gpu_experts - num_spare, stats, num_ranks=self.tp.size)
         return partial(cpu_experts_factory, handoff=self.cpu_handoff, placement=placement, rank=self.tp.rank,
                        int8_activations=cfg.expert_activations == "int8",
                        is_fused=uses_gemm_kernels(cfg.device, cfg.kernels, cfg.torch_dtype),
-                       min_streamed_tokens=self.gpu_prefill_tokens, device=cfg.device)
+                       min_streamed_tokens=self.gpu_prefill_tokens, device=cfg.device, num_spare_slots=num_spare)
 
     def attach_engine(self, engine) -> None:
         """`Engine.__init__` calls this: the newest engine over the model is the one `generate` runs through (one

@@ -192,6 +192,9 @@ def check_tensor_parallel(config, engine, is_converted: bool) -> None:
                               "runs on cuda:r)")
         if torch.cuda.device_count() < size:
             raise ConfigError(f"tensor_parallel_size {size} needs {size} GPUs, {torch.cuda.device_count()} visible")
+    if engine.hot_experts_interval:
+        raise ConfigError("hot_experts_interval is not supported with tensor parallelism (each rank's GPU experts "
+                          "would have to move together): set hot_experts_interval 0")
     if engine.defer_experts:
         raise ConfigError("defer_experts is not supported with tensor parallelism: set defer_experts 0")
     if config.has_recurrent_layers:

@@ -38,12 +38,12 @@ class RoutedExperts(TritonExperts):
 
     def __init__(self, layer_idx: int, config, gpu_expert_ids: tuple[int, ...], cpu: CpuExperts | None = None,
                  handoff: CpuHandoff | None = None, is_fused: bool = False, streamed: StreamedPrefill | None = None,
-                 other_rank_expert_ids: tuple[int, ...] = ()):
+                 other_rank_expert_ids: tuple[int, ...] = (), num_spare_slots: int = 0):
         moe = config.moe
         # experts resident on a GPU are whole there (expert parallel), except where every rank holds every expert
         is_split = cpu is None and not other_rank_expert_ids
-        super().__init__(len(gpu_expert_ids), config.hidden_size, moe.intermediate_size, moe.expert_proj_names,
-                         is_split=is_split)
+        super().__init__(len(gpu_expert_ids) + num_spare_slots, config.hidden_size, moe.intermediate_size,
+                         moe.expert_proj_names, is_split=is_split)
         if set(gpu_expert_ids) & set(other_rank_expert_ids):
             raise ValueError(f"layer {layer_idx}: experts {sorted(set(gpu_expert_ids) & set(other_rank_expert_ids))} "
                              "are both on this rank's GPU and on another's")
@@ -55,7 +55,10 @@ class RoutedExperts(TritonExperts):
             raise ValueError(f"layer {layer_idx}: CPU experts need the model's CpuHandoff")
         self.layer_idx = layer_idx
         self.num_experts = moe.num_experts
-        self.gpu_expert_ids = gpu_expert_ids
+        if num_spare_slots and (cpu is None or other_rank_expert_ids):
+            raise ValueError(f"layer {layer_idx}: spare GPU slots (hot experts) need a CPU part and one GPU")
+        self.gpu_expert_ids = gpu_expert_ids  # sorted; slot s holds slot_experts[s] (-1: a spare slot)
+        self.slot_experts = list(gpu_expert_ids) + [-1] * num_spare_slots
         self.other_rank_expert_ids = other_rank_expert_ids
         self.is_fused = is_fused
         self.cpu_experts = cpu
@@ -80,7 +83,9 @@ class RoutedExperts(TritonExperts):
 
     def _slots(self) -> torch.Tensor:
         slots = torch.full((self.num_experts,), -1, dtype=torch.int64, device="cpu")
-        slots[list(self.gpu_expert_ids)] = torch.arange(len(self.gpu_expert_ids))
+        for slot, expert in enumerate(self.slot_experts):
+            if expert >= 0:
+                slots[expert] = slot
         slots[list(self.other_rank_expert_ids)] = OTHER_RANK
         return slots
 
@@ -96,8 +101,37 @@ class RoutedExperts(TritonExperts):
             return
         for name in self.proj_names:
             stacked = getattr(self, name)
-            for slot, expert in enumerate(self.gpu_expert_ids):
+            for slot, expert in enumerate(self.slot_experts[:len(self.gpu_expert_ids)]):  # before any swap
                 yield f"{expert}.{name}.weight", self.expert_target(name, stacked.data[slot])
+
+    def free_slots(self) -> list[int]:
+        """GPU slots no expert occupies (hot experts: where the next admitted expert is copied)."""
+        return [slot for slot, expert in enumerate(self.slot_experts) if expert < 0]
+
+    @property
+    def slot_dtype(self) -> torch.dtype:
+        return getattr(self, self.proj_names[0]).dtype
+
+    def write_slot(self, slot: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
+        """One expert's weights (gate, up [I, H], down [H, I]) into free slot `slot`, on the current stream (the
+        fused layout's gate and up parameters are views of `w_gate_up`, so it sees them)."""
+        if self.slot_experts[slot] >= 0:
+            raise RuntimeError(f"layer {self.layer_idx}: slot {slot} holds expert {self.slot_experts[slot]}")
+        for name, weight in zip(self.proj_names, (gate, up, down), strict=True):
+            getattr(self, name).data[slot].copy_(weight, non_blocking=True)
+
+    def flip(self, evict: int, admit: int, slot: int) -> int:
+        """Between steps, after `admit`'s weights landed in free slot `slot`: `admit` is computed there from the
+        next step on and `evict` on the CPU; returns the slot `evict` leaves free. In-place writes on the current
+        stream: the slot table keeps its address (captured graphs read it at replay)."""
+        if self.slot_experts[slot] >= 0 or evict not in self.gpu_expert_ids or admit in self.gpu_expert_ids:
+            raise RuntimeError(f"layer {self.layer_idx}: cannot swap expert {evict} for {admit} into slot {slot}")
+        freed = self.slot_experts.index(evict)
+        self.local_slot[admit] = slot
+        self.local_slot[evict] = -1
+        self.slot_experts[slot], self.slot_experts[freed] = admit, -1
+        self.gpu_expert_ids = tuple(sorted(e for e in self.slot_experts if e >= 0))
+        return freed
 
     def fuse_gate_up(self) -> None:
         if self.is_fused and self.gpu_expert_ids:
@@ -153,10 +187,11 @@ def device_experts_factory(layer_idx: int, config, is_fused: bool = False) -> Ro
 
 def cpu_experts_factory(layer_idx: int, config, handoff: CpuHandoff, placement: ExpertPlacement | None = None,
                         int8_activations: bool = True, is_fused: bool = False, min_streamed_tokens: int = 0,
-                        device: torch.device | str = "cpu", rank: int = 0) -> RoutedExperts:
+                        device: torch.device | str = "cpu", rank: int = 0, num_spare_slots: int = 0) -> RoutedExperts:
     """The CPU operator for the layer's experts, less those `placement` keeps on the GPUs (rank `rank`'s on its
     own); `min_streamed_tokens` > 0: eager steps of that many tokens stream the CPU experts' weights to `device`
-    instead (`hybrid.streaming`). The CPU operator is loaded later, with the rank's slice of I."""
+    instead (`hybrid.streaming`); `num_spare_slots`: free GPU slots that hot experts copy into (`hybrid.hot_experts`).
+    The CPU operator is loaded later, with the rank's slice of I (every expert of it, resident or not)."""
     gpu_ids = placement.on_rank(layer_idx, rank) if placement is not None else ()
     resident = placement.gpu_experts.get(layer_idx, ()) if placement is not None else ()
     others = tuple(sorted(set(resident) - set(gpu_ids)))  # other ranks' GPUs: computed nowhere here
@@ -166,7 +201,7 @@ def cpu_experts_factory(layer_idx: int, config, handoff: CpuHandoff, placement: 
         return RoutedExperts(layer_idx, config, gpu_ids, is_fused=is_fused, other_rank_expert_ids=others)
     cpu = CpuExperts(layer_idx, int8_activations=int8_activations)
     streamed = StreamedPrefill(cpu, min_streamed_tokens, device) if min_streamed_tokens else None
-    return RoutedExperts(layer_idx, config, gpu_ids, cpu, handoff, is_fused, streamed, others)
+    return RoutedExperts(layer_idx, config, gpu_ids, cpu, handoff, is_fused, streamed, others, num_spare_slots)
 
 
 def other_rank_expert_names(model) -> set[str]:

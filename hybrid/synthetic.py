@@ -29,6 +29,7 @@ from hybrid.checkpoint import published_name
 from hybrid.converted import MANIFEST_FILE, MANIFEST_FORMAT, MANIFEST_VERSION
 from hybrid.models import load_model_config
 from hybrid.safetensors_io import SafetensorsWriter, TensorSpec
+from hybrid.synthetic_routing import SkewedRouting
 
 _QWEN3_5_TEXT = dict(  # Qwen3.6-35B-A3B's text model; Qwen3.5-397B-A17B changes the sizes
     model_type="qwen3_5_moe_text", vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16,
@@ -206,20 +207,20 @@ def has_dense_layers(shape: str) -> bool:
 
 
 def write_synthetic_checkpoint(path: str | Path, shape: str, num_layers: int, seed: int = 0, fp8: bool = False,
-                               num_dense_layers: int | None = None) -> int:
+                               num_dense_layers: int | None = None, skew: SkewedRouting | None = None) -> int:
     """Writes config.json and the weights of `shape` with `num_layers` decoder layers (`num_dense_layers`: see
-    `shape_config`), under the published names, bf16 or in the FP8 layout (module docstring); returns the bytes
-    written."""
+    `shape_config`), under the published names, bf16 or in the FP8 layout (module docstring); `skew`: skewed,
+    drifting routing (`hybrid.synthetic_routing`); returns the bytes written."""
     path = Path(path)
     quantization = {"quantization_config": dict(FP8_QUANTIZATION_CONFIG)} if fp8 else {}
     model = _write_config(path, shape, num_layers, num_dense_layers, quantization)
-    return _write_weights(path, model, _pool(seed), skip=set(),
-                          rename=lambda name: published_name(name, type(model).checkpoint_prefixes),
-                          codes=_fp8_codes(seed) if fp8 else None)
+    rename = lambda name: published_name(name, type(model).checkpoint_prefixes)  # noqa: E731
+    return _write_weights(path, model, _pool(seed), skip=set(), rename=rename,
+                          codes=_fp8_codes(seed) if fp8 else None, values=_skewed(model, skew, rename))
 
 
 def write_synthetic_converted(path: str | Path, shape: str, num_layers: int, expert_dtype: str = "int8",
-                              group_size: int = 0, seed: int = 0) -> int:
+                              group_size: int = 0, seed: int = 0, skew: SkewedRouting | None = None) -> int:
     """Writes a converted directory of `shape` (hybrid-convert's layout, docs/format.md, the model's own names)
     without a source: the GPU weights as `write_synthetic_checkpoint` makes them, the routed experts as random
     codes whose scales give weights of std ~0.02 (int4: bf16 scales, as the INT4 passthrough keeps them). Every MoE
@@ -237,7 +238,8 @@ def write_synthetic_converted(path: str | Path, shape: str, num_layers: int, exp
         routed = {model.routed_expert_name(layer, e, role) for layer in moe_layers
                   for e in range(config.moe.num_experts) for role in ROLES}
     pool = _pool(seed)
-    total = _write_weights(path, model, pool, skip=routed, rename=lambda name: name)
+    total = _write_weights(path, model, pool, skip=routed, rename=lambda name: name,
+                           values=_skewed(model, skew, lambda name: name))
     spec = _synthetic_spec(config, expert_dtype, group_size)
     if hasattr(model, "expert_activation"):  # the model's own expert epilogue (gpt-oss: clamped, biased)
         spec = replace(spec, activation=model.expert_activation, has_bias=model.has_expert_bias)
@@ -335,10 +337,16 @@ def _stored_tensors(name: str, shape: tuple[int, ...], is_fp8: bool) -> list[tup
     return [(name, torch.float8_e4m3fn, shape), (name + "_scale_inv", torch.float32, blocks)]
 
 
+def _skewed(model, skew: SkewedRouting | None, rename) -> dict:
+    return {rename(name): value for name, value in skew.tensors(model).items()} if skew is not None else {}
+
+
 def _write_weights(path: Path, model, pool: torch.Tensor, skip: set[str], rename,
-                   codes: torch.Tensor | None = None) -> int:
+                   codes: torch.Tensor | None = None, values: dict | None = None) -> int:
     """The model's checkpoint tensors but `skip`, named by `rename`, one shard per layer, and their index: bf16
-    tiles of `pool`, or with `codes` (`_fp8_codes`) the FP8 ones as tiles of those with constant block scales."""
+    tiles of `pool`, or with `codes` (`_fp8_codes`) the FP8 ones as tiles of those with constant block scales;
+    `values`: published name -> a function of the bf16 tile giving the tensor written instead."""
+    values = values or {}
     shards: dict[str, list[tuple[str, torch.dtype, tuple[int, ...]]]] = {}
     for name, target in model.checkpoint_targets().items():
         if name in skip:
@@ -358,7 +366,8 @@ def _write_weights(path: Path, model, pool: torch.Tensor, skip: set[str], rename
             elif dtype == torch.float32:
                 writer.write(name, torch.full(shape_, scale_inv))
             else:
-                writer.write(name, _tile(pool, shape_, offset))
+                tile = _tile(pool, shape_, offset)
+                writer.write(name, values[name](tile) if name in values else tile)
             weight_map[name] = shard
         writer.close()
         total += writer.size

@@ -258,3 +258,20 @@ def test_decode_benchmark_with_a_json_schema(tmp_path, capsys):
     assert row["guided_ratio"] == pytest.approx(row["guided_tokens_per_s"] / row["plain_tokens_per_s"])
     with pytest.raises(SystemExit, match="ended a request after"):
         main([*decode, '{"enum": ["a", "b"]}'])
+
+
+def test_decode_benchmark_with_skewed_routing_and_hot_experts(tmp_path, monkeypatch, capsys):
+    """`--skewed-routing`: the synthetic model (shrunk here) is written with skewed, drifting routing
+    (`hybrid.synthetic_routing`) under its own name, and `--hot-experts-interval` moves experts during the timed
+    decode (the row counts the swaps); a directory given with --model is refused."""
+    small = dict(SHAPES["qwen3-30b-a3b"], vocab_size=512, hidden_size=64, intermediate_size=96,
+                 moe_intermediate_size=32, num_experts=16, num_experts_per_tok=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16)
+    monkeypatch.setitem(SHAPES, "tiny", small)
+    args = ["decode", "--synthetic", "tiny", "--layers", "2", "--no-source", "--workdir", str(tmp_path), "--device",
+            "cpu", "--dtype", "float32", "--tokens", "24", "--json", "--gpu-experts", "5"]
+    assert main([*args, "--skewed-routing", "8", "--hot-experts-interval", "2"]) == 0
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert row["hot_expert_swaps"] > 0 and "skew8" in row["model"]
+    with pytest.raises(SystemExit, match="leave out --model"):
+        main(["decode", "--model", row["model"], "--skewed-routing"])
