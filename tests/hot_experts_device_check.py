@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 from checkpoints import SEEDS, VARIANTS, make_checkpoint, prompt  # noqa: E402
-from hot_experts_support import EverySwap, check_slot_table  # noqa: E402
+from hot_experts_support import decode_swapping  # noqa: E402
 
 from hybrid import LLM  # noqa: E402
 from hybrid.engine import Engine  # noqa: E402
@@ -60,15 +60,7 @@ def main(out_dir: Path, device: str) -> int:
         assert convert([str(Path(tmp) / "src"), str(Path(tmp) / "dst"), "--expert-dtype", "int8"]) == 0
         args = dict(device=device, dtype="bfloat16" if device != "cpu" else "float32", expert_activations="float")
         hot = LLM(Path(tmp) / "dst", gpu_experts=4, hot_experts_interval=1, **args)
-        hot.hot_experts.policy = EverySwap()
-        engine = Engine(hot, max_num_seqs=4)
-        ids = [engine.add_request(p, max_tokens=24, ignore_eos=True) for p in PROMPTS]
-        steps = 0
-        while engine.has_work():
-            engine.step()
-            steps += 1
-            for module in routed(hot):
-                check_slot_table(module)
+        engine, ids, steps = decode_swapping(hot, PROMPTS, 24, max_num_seqs=4)
         graphs = engine.runner.graphs
         replays = graphs.num_replays if graphs is not None else 0
         got = [engine.requests[i].output_ids for i in ids]

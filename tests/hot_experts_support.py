@@ -31,3 +31,21 @@ def check_slot_table(module: RoutedExperts) -> None:
     is_resident = torch.tensor([e in resident for e in range(module.num_experts)]).view(-1, 1)
     assert torch.equal(cpu_ids, torch.where(is_resident, -1, ids.cpu()))
     assert torch.equal(local >= 0, is_resident)
+
+
+def decode_swapping(llm, prompts, max_tokens: int, **engine_options):
+    """An engine over `llm` (hot experts on, every decision forced to swap: `EverySwap`) decodes `prompts` to
+    `max_tokens`, the slot tables checked after every step -> (the engine, the requests' ids, steps run)."""
+    from hybrid.engine import Engine
+
+    llm.hot_experts.policy = EverySwap()
+    engine = Engine(llm, **engine_options)
+    ids = [engine.add_request(p, max_tokens=max_tokens, ignore_eos=True) for p in prompts]
+    num_steps = 0
+    while engine.has_work():
+        engine.step()
+        num_steps += 1
+        for module in llm.model.modules():
+            if isinstance(module, RoutedExperts):
+                check_slot_table(module)
+    return engine, ids, num_steps

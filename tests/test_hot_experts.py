@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from checkpoints import SEEDS, VARIANTS, make_checkpoint, prompt
-from hot_experts_support import EverySwap, check_slot_table
+from hot_experts_support import EverySwap, check_slot_table, decode_swapping
 
 from hybrid import LLM
 from hybrid.engine import Engine
@@ -96,15 +96,7 @@ def test_a_swap_every_step_gives_the_fixed_placements_tokens(converted):
     placement's logits equal the same placement installed before any step (bit for bit) and the fixed one's within
     float rounding (the two sides sum their experts separately)."""
     hot = LLM(converted, gpu_experts=4, hot_experts_interval=1, **ARGS)  # 3 resident + 1 spare per layer
-    hot.hot_experts.policy = EverySwap()
-    engine = Engine(hot, max_num_batched_tokens=16, max_num_seqs=4)
-    ids = [engine.add_request(p, max_tokens=8, ignore_eos=True) for p in PROMPTS]
-    num_steps = 0
-    while engine.has_work():
-        engine.step()
-        num_steps += 1
-        for module in routed(hot):
-            check_slot_table(module)
+    engine, ids, num_steps = decode_swapping(hot, PROMPTS, 8, max_num_batched_tokens=16, max_num_seqs=4)
     layers = routed(hot)
     assert hot.hot_experts.num_swaps >= len(layers) * (num_steps - 1)
     assert any(m.gpu_expert_ids != (0, 1, 2) for m in layers)
