@@ -21,6 +21,13 @@ if IS_INTERPRETED:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (the suite's two workers, one per core on CI): each worker computes on one torch thread,
+    so the two workers' thread pools do not spin against each other on two cores."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)
+
+
 def pytest_sessionstart(session):
     """numba's cache of the CPU kernels dropped if a kernel module changed since it was written (`compile_cache`):
     tests call kernels directly, before any of the runtime's entry points would."""
