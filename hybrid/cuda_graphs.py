@@ -34,6 +34,7 @@ from hybrid.block_manager import blocks_needed
 from hybrid.cpu_handoff import GraphHandoff, StepMode
 from hybrid.forward_batch import ForwardBatch, StepInputs, padded
 from hybrid.layers.moe import SparseMoE
+from hybrid.placement import NO_ROW_LIMIT
 from hybrid.routed_experts import RoutedExperts
 
 
@@ -77,6 +78,9 @@ class CudaGraphRunner:
             self.handoff = llm.cpu_handoff.graph = GraphHandoff(self.worker, self.device)
             self.pool = self._decode_pool(executor) if cfg.cpu_decode_pool else None
         self._armed = None  # who serves the step in flight: the pool or the worker
+        # routing counts (`record_routing`, hot experts): a replay counts its batch's rows, not the bucket's padding
+        recorder = llm.routing_recorder
+        self.row_limit = recorder.limit_rows(self.device) if recorder is not None else None
         # CPU requests per step: one per layer with CPU experts, two where the layer defers experts to the next one
         modules = list(self.model.modules())
         self.num_requests = (sum(isinstance(m, RoutedExperts) and m.has_cpu_part for m in modules)
@@ -154,6 +158,8 @@ class CudaGraphRunner:
         self._arm(size)
         self.graphs[size].replay()
         self.num_replays += 1
+        if self.row_limit is not None:  # after the replay on the stream: eager steps count every row
+            self.row_limit.fill_(NO_ROW_LIMIT)
         return self.logits[size][:len(input_ids)]
 
     @torch.inference_mode()
@@ -162,7 +168,10 @@ class CudaGraphRunner:
         size = self._fill(inputs, input_ids)
         with self._graph_mode():
             self._arm(size)
-            return self._forward(size)[:len(input_ids)]
+            logits = self._forward(size)[:len(input_ids)]
+        if self.row_limit is not None:
+            self.row_limit.fill_(NO_ROW_LIMIT)
+        return logits
 
     def _graph_mode(self):
         """The CPU experts reached through the graph hand-off (what a captured step does)."""
@@ -188,6 +197,8 @@ class CudaGraphRunner:
             self.state_slots[:size].copy_(torch.tensor(inputs.state_slots + [-1] * num_pad, dtype=torch.int32))
         if self.handoff is not None:
             self.handoff.valid_rows[:size].copy_(torch.arange(size)[:, None] < num_seqs)
+        if self.row_limit is not None:
+            self.row_limit.fill_(num_seqs)
         return size
 
     def close(self) -> None:

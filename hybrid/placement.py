@@ -38,6 +38,9 @@ class RoutingStats:
         Path(path).write_text(json.dumps({"layers": {str(k): v for k, v in sorted(self.counts.items())}}))
 
 
+NO_ROW_LIMIT = 1 << 62  # `RoutingRecorder.row_limit` outside graph steps: every row counts
+
+
 class RoutingRecorder:
     """Counts the tokens routed to each expert of each MoE layer (attached to the routers by `attach`); `stats()`
     is what `ExpertPlacement.choose` reads back from a file."""
@@ -45,6 +48,15 @@ class RoutingRecorder:
     def __init__(self, num_experts: int):
         self.num_experts = num_experts
         self.counts: dict[int, torch.Tensor] = {}
+        # device [1]: rows at or past it are not counted (a CUDA graph step's padding rows, `hybrid.cuda_graphs`,
+        # which route like any row); NO_ROW_LIMIT outside graph steps
+        self.row_limit: torch.Tensor | None = None
+
+    def limit_rows(self, device: torch.device | str) -> torch.Tensor:
+        """The row limit on `device` (created once): a graph runner fills it before each replay and resets it."""
+        if self.row_limit is None:
+            self.row_limit = torch.full((1,), NO_ROW_LIMIT, dtype=torch.int64, device=device)
+        return self.row_limit
 
     def attach(self, model) -> None:
         for layer_idx, layer in enumerate(model.model.layers):
@@ -59,7 +71,11 @@ class RoutingRecorder:
         if counts is None:
             counts = self.counts[layer_idx] = torch.zeros(self.num_experts + 1, dtype=torch.int64,
                                                           device=topk_ids.device)
-        ids = topk_ids.long().flatten()
+        ids = topk_ids.long()
+        if self.row_limit is not None:
+            rows = torch.arange(ids.shape[0], device=ids.device)[:, None]  # [T, 1]
+            ids = torch.where(rows < self.row_limit, ids, -1)
+        ids = ids.flatten()
         ids = torch.where(ids >= 0, ids, self.num_experts)
         counts.index_add_(0, ids, torch.ones_like(ids))
 

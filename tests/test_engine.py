@@ -293,7 +293,7 @@ def test_gpu_resident_experts_split_the_layer(tmp_path):
     import torch
 
     from convert.cli import main
-    from hybrid.placement import RoutingStats
+    from hybrid.placement import NO_ROW_LIMIT, RoutingStats
     from hybrid.routed_experts import RoutedExperts
 
     make_checkpoint(VARIANTS["deepseek_v3"](), tmp_path / "src", seed=SEEDS["deepseek_v3"])
@@ -302,6 +302,12 @@ def test_gpu_resident_experts_split_the_layer(tmp_path):
     recorder = LLM(tmp_path / "dst", **args).record_routing()
     recorder.add(1, torch.tensor([[3, 1], [6, -1]]))  # what a router call records: -1 is not counted
     assert recorder.stats().counts == {1: [0, 1, 0, 1, 0, 0, 1, 0]}
+    # a graph step's padding rows (at or past the limit the graph runner sets) are not counted either
+    recorder.limit_rows("cpu").fill_(1)
+    recorder.add(1, torch.tensor([[3, 1], [6, 2]]))
+    recorder.row_limit.fill_(NO_ROW_LIMIT)
+    recorder.add(1, torch.tensor([[0, 7]]))
+    assert recorder.stats().counts == {1: [1, 2, 0, 2, 0, 0, 1, 1]}
     counts = {layer: [0, 5, 1, 9, 0, 0, 7, 2] for layer in range(1, 4)}  # layers 1-3 are MoE
     RoutingStats(counts).write(tmp_path / "routing.json")
     split = LLM(tmp_path / "dst", gpu_experts=3, routing_stats=str(tmp_path / "routing.json"), **args)
