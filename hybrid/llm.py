@@ -97,17 +97,8 @@ class LLM:
         # the GPU with gpu_experts), and so do a plain checkpoint's with expert_placement cpu (auto on CUDA), read
         # from it at load; otherwise they run through the PyTorch reference on the engine's device.
         is_cpu_experts = read_manifest(Path(path)) is not None or cfg.is_cpu_placement
-        # a tensor-parallel rank's CPU experts run on its share of the NUMA nodes (`topology.rank_nodes`)
         tp = self.tp
-        nodes = rank_nodes(discover_nodes(), tp.rank, tp.size)
-        cpus = node_cpus(nodes) if tp.size > 1 else allowed_cpus()
-        # On CUDA the CPU experts leave one CPU to the thread driving the GPU; set before loading runs a kernel
-        num_threads = None
-        if is_cpu_experts and (cfg.is_cuda or tp.size > 1):
-            num_threads = max(1, len(cpus) - 1) if cfg.is_cuda else len(cpus)
-        use_kernel_threads(num_threads)
-        if tp.size > 1 and not cfg.is_cuda:  # the ranks' dense layers share the cores as their experts do
-            torch.set_num_threads(len(cpus))
+        nodes, cpus, num_threads = self._cpu_threads(is_cpu_experts)
         moe = self.config.moe
         self.gpu_prefill_tokens = min_streamed_tokens(cfg, moe.num_experts, moe.top_k) if is_cpu_experts else 0
         self.num_gpu_experts = 0
@@ -138,6 +129,36 @@ class LLM:
                 module.fuse_qkv()  # attention's q/k/v as one GEMV (only with the kernels' ops)
         streamed = [m.streamed for m in self.model.modules() if isinstance(m, RoutedExperts) and m.streamed]
         self.expert_stream, self.num_pinned_bytes = attach_streamed(streamed, cfg.device) if streamed else (None, 0)
+        self._start_cpu_side(is_cpu_experts, cpus, num_threads)
+        self._allocate_caches(num_blocks)
+        self.engine = None  # what generate() runs through: the newest Engine(self), else one generate() builds
+        self._owns_engine = False
+        self.num_forward_tokens = 0
+        # this rank's metrics, published into its row of the ranks' table (`hybrid.rank_stats`)
+        table = parallel.rank_table() if tp.size > 1 else RankTable(1, is_shared=False)
+        self.counters = RankCounters(table, tp.rank, cfg.device)
+        self.counters.publish()  # the memory of the weights and the KV cache, before any step
+        self.runner = ModelRunner(self)  # eager: prefill_logits, and the engines that capture no graphs
+
+    def _cpu_threads(self, is_cpu_experts: bool) -> tuple[list, list[int], int | None]:
+        """This rank's NUMA nodes and CPUs, and the CPU experts' kernel threads, set now (before loading runs a
+        kernel): a tensor-parallel rank's experts run on its share of the nodes (`topology.rank_nodes`); on CUDA they
+        leave one CPU to the thread driving the GPU."""
+        cfg, tp = self.engine_config, self.tp
+        nodes = rank_nodes(discover_nodes(), tp.rank, tp.size)
+        cpus = node_cpus(nodes) if tp.size > 1 else allowed_cpus()
+        num_threads = None
+        if is_cpu_experts and (cfg.is_cuda or tp.size > 1):
+            num_threads = max(1, len(cpus) - 1) if cfg.is_cuda else len(cpus)
+        use_kernel_threads(num_threads)
+        if tp.size > 1 and not cfg.is_cuda:  # the ranks' dense layers share the cores as their experts do
+            torch.set_num_threads(len(cpus))
+        return nodes, cpus, num_threads
+
+    def _start_cpu_side(self, is_cpu_experts: bool, cpus: list[int], num_threads: int | None) -> None:
+        """After loading: the routing recorder, hot experts, and the CPU experts' executor thread (overlapped with
+        the shared experts; on CUDA leaving one CPU to the thread that drives the GPU)."""
+        cfg = self.engine_config
         if cfg.is_cuda and num_threads is not None:
             # torch's own OpenMP pool, once woken by a CPU op, spins on the cores the expert kernels need: on the
             # H200 host the in-engine decode call took 0.76 ms with it and 0.54 ms with one torch thread
@@ -150,35 +171,29 @@ class LLM:
             layers = [m for m in self.model.modules() if isinstance(m, RoutedExperts) and m.free_slots()]
             self.hot_experts = HotExperts(layers, self.record_routing(), cfg.hot_experts_interval,
                                           SwapPolicy(max_swaps=cfg.hot_experts_swaps), cfg.device)
-        # CPU experts run on one executor thread, overlapped with the shared experts (on CUDA leaving one CPU to the
-        # thread that drives the GPU)
         self.cpu_executor = None
         if is_cpu_experts:
             self.cpu_executor = cpu_executor(self.model, self.max_model_len, torch.float32, num_threads,
-                                             worker_cpus=cpus if tp.size > 1 else None)
+                                             worker_cpus=cpus if self.tp.size > 1 else None)
             self.cpu_handoff.executor = self.cpu_executor
-        # the one owner of this model's KV pages: every engine over it and prefill_logits take pages from it
+
+    def _allocate_caches(self, num_blocks: int) -> None:
+        """The one owner of this model's KV pages (every engine over it and prefill_logits take pages from it),
+        the KV cache and the recurrent-state pools."""
+        cfg = self.engine_config
         groups = self._cache_groups(self.model, num_blocks)
         is_recurrent = self.config.has_recurrent_layers
         if is_recurrent and cfg.enable_prefix_caching and not self.num_state_snapshots:
             # a hit needs the recurrent states as they were at the hit's last page: none are kept
             log.info("%s has recurrent (Gated DeltaNet) layers and state_snapshots is 0: prefix caching is off",
                      self.config.architecture)
-        self.blocks = CacheGroupBlocks(groups, block_size, cfg.enable_prefix_caching, self.num_state_slots,
+        self.blocks = CacheGroupBlocks(groups, cfg.block_size, cfg.enable_prefix_caching, self.num_state_slots,
                                        self.num_state_snapshots)
-        self.engine = None  # what generate() runs through: the newest Engine(self), else one generate() builds
-        self._owns_engine = False
-        self.kv_caches = allocate_kv_cache(self.model.attention_layers(), groups, block_size, cfg.torch_dtype,
+        self.kv_caches = allocate_kv_cache(self.model.attention_layers(), groups, cfg.block_size, cfg.torch_dtype,
                                            cfg.device)
         self.state_caches = allocate_state_cache(self.model.state_layers(), self.num_state_slots,
                                                  self.num_state_snapshots, cfg.torch_dtype,
                                                  cfg.device) if is_recurrent else []
-        self.num_forward_tokens = 0
-        # this rank's metrics, published into its row of the ranks' table (`hybrid.rank_stats`)
-        table = parallel.rank_table() if tp.size > 1 else RankTable(1, is_shared=False)
-        self.counters = RankCounters(table, tp.rank, cfg.device)
-        self.counters.publish()  # the memory of the weights and the KV cache, before any step
-        self.runner = ModelRunner(self)  # eager: prefill_logits, and the engines that capture no graphs
 
     def _join_ranks(self, path: str | Path) -> Workers | None:
         """Tensor parallel: rank 0 checks the setting, starts the other ranks and joins them (`hybrid.tp_workers`),
