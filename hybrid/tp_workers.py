@@ -18,6 +18,9 @@ from its process's sentinel, without a command or a collective (`Workers.alive`)
 
 Failures: a worker that raises reports its traceback to rank 0 (a pipe) and exits, which closes its sockets, so
 rank 0's next collective fails at once over gloo; rank 0 then raises the worker's error (`Workers.raise_reported`).
+A watchdog thread in rank 0 logs a worker's death and report the moment it exits; over NCCL, where rank 0 may be
+blocked for good in a collective (or a synchronisation) waiting for the dead rank, it ends rank 0's process if
+rank 0 has not raised the failure itself within `BLOCKED_EXIT_SECONDS`.
 """
 
 from __future__ import annotations
@@ -44,6 +47,10 @@ log = logging.getLogger(__name__)
 JOINING = "joining"  # a worker's first report: it has started and joins the ranks now
 JOIN_SECONDS = 30.0  # a worker that has not exited this long after "stop" is terminated
 REPORT_SECONDS = 5.0  # how long rank 0 waits for a failed worker's report
+# Over NCCL, how long rank 0 may stay blocked after a worker died before its process exits: a collective that waits
+# for a dead rank waits for NCCL's timeout (minutes), and aborting the communicator under captured graphs hangs
+BLOCKED_EXIT_SECONDS = 20.0
+WATCH_SECONDS = 0.5  # how often the watchdog looks at the workers' processes
 
 
 _is_worker = False  # this process is a rank that rank 0 started (`worker_main`)
@@ -86,12 +93,18 @@ class Workers:
             writer.close()  # the workers' now
         self._runner_ids = count(1)
         self.is_stopped = False
+        self._is_stopping = False
+        self._failures: list[str] = []  # workers' reports, read by whichever thread saw them first
+        self._lock = threading.Lock()
+        self._is_raised = threading.Event()  # rank 0 raised a worker's failure (the watchdog need not end it)
         try:
             self._wait_joining()
             parallel.init(0, self.size, init_method, rank_device(config.device, 0), table)
         except BaseException:
             self._terminate()
             raise
+        self._is_nccl = torch.device(config.device).type == "cuda"
+        threading.Thread(target=self._watch, name="hybrid-tp-watchdog", daemon=True).start()
 
     def _wait_joining(self) -> None:
         """Until every worker has started and is about to join the ranks: one that fails before (an import) is
@@ -132,25 +145,55 @@ class Workers:
         for rank, process in enumerate(self.processes, start=1):
             if not process.is_alive() and not self.is_stopped:
                 self.raise_reported()
+                self._is_raised.set()
                 raise RuntimeError(f"tensor-parallel rank {rank} exited with code {process.exitcode}")
 
     def raise_reported(self) -> None:
         """After a collective failed: raises a worker's own report of its failure, where one comes (a failed worker
         reports, then exits: this waits for the first exit, a few seconds at most); else returns."""
         wait([p.sentinel for p in self.processes], timeout=REPORT_SECONDS)
-        for reader in self.reports:
-            try:
-                report = reader.recv() if reader.poll() else None
-            except EOFError:  # exited without a report (killed)
-                continue
-            if report is not None:
-                raise RuntimeError(f"tensor-parallel {report}")
+        self._read_reports()
+        if self._failures:
+            self._is_raised.set()
+            raise RuntimeError(f"tensor-parallel {self._failures[0]}")
+
+    def _read_reports(self) -> None:
+        with self._lock:
+            for reader in self.reports:
+                try:
+                    report = reader.recv() if reader.poll() else None
+                except (EOFError, OSError):  # exited without a report (killed), or already closed
+                    continue
+                if report is not None:
+                    self._failures.append(report)
+
+    def _watch(self) -> None:
+        """Rank 0's watchdog: a worker that exits while the ranks run is logged with its report at once; over NCCL
+        rank 0's process ends unless rank 0 raises the failure itself within `BLOCKED_EXIT_SECONDS`."""
+        sentinels = [p.sentinel for p in self.processes]
+        while not wait(sentinels, timeout=WATCH_SECONDS):
+            if self._is_stopping:
+                return
+        if self._is_stopping:
+            return
+        self._read_reports()  # a failed worker reports before it exits
+        gone = [rank for rank, p in enumerate(self.processes, start=1) if not p.is_alive()] or ["?"]
+        what = self._failures[0] if self._failures else f"rank {gone[0]} exited without a report (killed?)"
+        log.error("tensor-parallel rank(s) %s exited while the ranks run: %s", gone, what)
+        if self._is_nccl and not self._is_raised.wait(BLOCKED_EXIT_SECONDS) and not self._is_stopping:
+            log.critical("rank 0 is still blocked %.0f s after a rank died (a collective waits for it): exiting",
+                         BLOCKED_EXIT_SECONDS)
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
 
     def guard(self, work):
         """work() -> its result; where a collective in it fails, the failed worker's report is raised instead."""
         try:
             return work()
         except RuntimeError as exc:
+            self._is_raised.set()
             try:
                 self.raise_reported()
             except RuntimeError as reported:
@@ -161,6 +204,7 @@ class Workers:
         """Tells the workers to exit and joins them (terminating any that hang); leaves the process groups."""
         if self.is_stopped:
             return
+        self._is_stopping = True  # the workers' exits from here on are expected (`_watch`)
         is_told = False
         try:
             if all(p.is_alive() for p in self.processes):  # else the others wait for a step that never comes
