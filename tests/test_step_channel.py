@@ -6,8 +6,10 @@ not a wait for ever. Readers and writers in other processes (spawn, as the ranks
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import time
 from multiprocessing.connection import wait
+from pathlib import Path
 
 import pytest
 
@@ -31,8 +33,24 @@ def _write_some(channel: StepChannel, messages: list) -> None:
         channel.write(message)
 
 
-def _spawn(target, *args) -> mp.Process:
-    process = mp.get_context("spawn").Process(target=target, args=args, daemon=True)
+def _read_until_closed(channel: StepChannel, result: str) -> None:
+    """A worker's wait for its next command (`hybrid.tp_workers.serve`), its rank 0 gone meanwhile."""
+    from hybrid.tp_workers import parent_alive
+
+    try:
+        channel.read(0, parent_alive())
+    except ChannelClosed as exc:
+        Path(result).write_text(str(exc))
+
+
+def _start_reader_and_die(channel: StepChannel, result: str) -> None:
+    _spawn(_read_until_closed, channel, result)
+    time.sleep(0.5)
+    os._exit(0)  # as a killed rank 0: no clean-up of its children
+
+
+def _spawn(target, *args, daemon: bool = True) -> mp.Process:
+    process = mp.get_context("spawn").Process(target=target, args=args, daemon=daemon)
     process.start()
     return process
 
@@ -105,3 +123,14 @@ def test_a_dead_writer_is_an_error_in_the_reader():
     with pytest.raises(ChannelClosed, match="writer of the step channel exited"):
         channel.read(0, lambda: not wait([writer.sentinel], timeout=0))
     assert time.monotonic() - start < 5
+
+
+def test_a_worker_whose_rank0_died_exits(tmp_path):
+    """A worker waits on its parent's sentinel (`tp_workers.parent_alive`): its rank 0 killed, it stops waiting."""
+    result = tmp_path / "result"
+    channel = StepChannel(1, slot_bytes=64, num_slots=2)
+    _spawn(_start_reader_and_die, channel, str(result), daemon=False).join(60)  # rank 0, which starts a worker
+    deadline = time.monotonic() + 60
+    while not result.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert result.read_text() == "the writer of the step channel exited"
