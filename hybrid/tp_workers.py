@@ -18,6 +18,14 @@ Metrics: each rank writes its numbers into its row of a table in shared memory t
 spawn (`hybrid.rank_stats`), at the end of each step; rank 0's server reads the rows, and each worker's liveness
 from its process's sentinel, without a command or a collective (`Workers.alive`).
 
+Host CPUs (on CUDA): each rank's CPU experts run on its share of the host's CPUs but one (`topology.rank_cpus`);
+that one is the rank's host CPU, for the thread that steps the rank (it receives the step, prepares the inputs and
+launches the graph: a worker's main thread once its shard is loaded, and rank 0's thread that sends the steps,
+pinned at its first, until `stop`) and for gloo's and NCCL's threads (started while the joining thread is pinned
+there, they inherit it). A thread started by a pinned one inherits its CPU too (numba's pool, where a pinned
+thread runs a kernel itself). Kernel threads that spin on every CPU of a share would make the stepping thread wait
+for a time slice. On the CPU device nothing is pinned: the ranks' dense layers compute on their whole share.
+
 Failures: a worker that raises reports its traceback to rank 0 (a pipe) and exits. Rank 0 sees it before its next
 command (the worker's process sentinel, `Workers.check`), while it waits for room in the channel, or in the step's
 collectives, which fail at once over gloo (a dead process closes its sockets); it then raises the worker's error
@@ -44,6 +52,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from tqdm import tqdm
 
+from cpu_experts.topology import RankCpus, discover_nodes, pin_current_thread, pinned_thread, rank_cpus, thread_cpus
 from hybrid import parallel
 from hybrid.rank_stats import RankTable
 from hybrid.step_channel import StepChannel
@@ -65,6 +74,12 @@ def is_worker() -> bool:
 def rank_device(device: str, rank: int) -> str:
     """Rank r's device: cuda:r where the engine's device is CUDA, else the device as given."""
     return f"cuda:{rank}" if torch.device(device).type == "cuda" else device
+
+
+def find_rank_cpus(config, rank: int) -> RankCpus:
+    """Rank `rank`'s CPUs (module docstring), found from the process's CPUs before any of its threads is pinned."""
+    is_cuda = torch.device(config.device).type == "cuda"
+    return rank_cpus(discover_nodes(), rank, config.tensor_parallel_size, leave_host_cpu=is_cuda)
 
 
 def _free_port() -> int:
@@ -96,9 +111,13 @@ class Workers:
             writer.close()  # the workers' now
         self._runner_ids = count(1)
         self.is_stopped = False
+        self.is_pinning = torch.device(config.device).type == "cuda"
+        self._pinned: dict[int, tuple[int, ...] | None] = {}  # a stepping thread -> its CPUs before (`send`)
         try:
+            self.cpus = find_rank_cpus(config, 0)
             self._wait_joining()
-            parallel.init(0, self.size, init_method, rank_device(config.device, 0), table)
+            with pinned_thread(self.cpus.host if self.is_pinning else None):  # gloo's and NCCL's threads there
+                parallel.init(0, self.size, init_method, rank_device(config.device, 0), table, self.cpus)
         except BaseException:
             self._terminate()
             raise
@@ -134,7 +153,11 @@ class Workers:
         return runner_id
 
     def send(self, command: tuple) -> None:
-        """Writes `command` for every worker and returns (it waits only where the channel is full)."""
+        """Writes `command` for every worker and returns (it waits only where the channel is full). The thread that
+        sends is the one that steps rank 0: pinned to rank 0's host CPU (module docstring) until `stop`."""
+        if self.is_pinning and threading.get_ident() not in self._pinned:
+            self._pinned[threading.get_ident()] = thread_cpus()
+            pin_current_thread(self.cpus.host)
         self.check()
         self.channel.write(command, self.check)
 
@@ -187,6 +210,9 @@ class Workers:
         except RuntimeError as exc:
             log.warning("stopping the tensor-parallel workers: %s", exc)
         self.is_stopped = True
+        previous = self._pinned.pop(threading.get_ident(), None)
+        if previous is not None:  # the stepping thread (say the main thread) may start other ranks after
+            pin_current_thread(previous)
         if is_told:  # the workers leave the groups now: rank 0 with them (`parallel.destroy`)
             parallel.destroy()
             for process in self.processes:
@@ -217,7 +243,11 @@ def worker_main(path: str, config, rank: int, init_method: str, report, table: R
         from hybrid.llm import LLM
 
         report.send(JOINING)
-        parallel.init(rank, config.tensor_parallel_size, init_method, rank_device(config.device, rank), table)
+        cpus = find_rank_cpus(config, rank)
+        is_cuda = torch.device(config.device).type == "cuda"
+        with pinned_thread(cpus.host if is_cuda else None):  # gloo's and NCCL's threads start here: they inherit it
+            parallel.init(rank, config.tensor_parallel_size, init_method, rank_device(config.device, rank), table,
+                          cpus)
         llm = LLM(path, config)
         dist.barrier(group=parallel.host_group())  # this rank is ready (`Workers.wait_ready`)
         serve(llm, channel, rank)
@@ -252,6 +282,8 @@ def serve(llm, channel: StepChannel, rank: int) -> None:
     runners: dict[int, ModelRunner] = {}
     is_cuda = llm.engine_config.is_cuda
     is_rank0_alive = parent_alive()
+    if is_cuda:  # this thread steps the rank from now on (it loaded the shard on every CPU of the process)
+        pin_current_thread(parallel.rank_cpus().host)
     while True:
         command = channel.read(rank - 1, is_rank0_alive)
         kind = command[0]
