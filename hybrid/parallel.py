@@ -8,10 +8,10 @@ row-parallel (attention's o_proj, an MLP's down_proj, the MoE block as a whole) 
 ONE all-reduce. Norms, routers and MLA's low-rank down projections stay replicated: every rank computes them on the
 same (reduced) input.
 
-Groups: tensors go over NCCL when the engine's device is CUDA (rank r on `cuda:r`), over gloo otherwise; host
-metadata (each step's inputs, broadcast by rank 0: `hybrid.tp_workers`) always over a gloo group of its own, whose
-timeout is long (workers wait there while the server idles). A rank that dies closes its sockets, so gloo fails
-the others at once.
+Groups: tensors go over NCCL when the engine's device is CUDA (rank r on `cuda:r`), over gloo otherwise; a gloo
+group of its own for the host, whose timeout is long, where the workers wait for each other to be built (each
+step's inputs go through shared memory instead: `hybrid.step_channel`). A rank that dies closes its sockets, so
+gloo fails the others at once.
 
 How a parameter is split is data (`Shard`): each layer class says which of its parameters are split and how
 (`tp_shards()`: its own parameter names -> `Shard`), and `hybrid.models.base.checkpoint_targets_of` wraps each such
