@@ -11,9 +11,13 @@ Contract:
   with fewer, its contiguous n-th of every node's CPUs (shared round-robin on a node with fewer CPUs than ranks).
   The rank then makes its partitions from them (`make_partitions`) and runs its kernels on their CPUs
   (`node_cpus`), so the ranks' CPU sets are disjoint wherever the machine has a CPU per rank.
+- `rank_cpus` splits a rank's CPUs into the CPU experts' (kernel threads) and the rank's host threads' (the thread
+  that steps it: receives the step, prepares inputs, launches the graph; gloo's and NCCL's threads): the last CPU
+  of its share where asked and the share has two or more, else the whole share for both.
 - `split_dim` cuts [0, size) into `num_parts` ordered contiguous slices whose inner boundaries are multiples of
   `align` (or equal `size`, for empty trailing slices), as equal as possible.
-- `pin_current_thread` pins the calling thread where the OS supports it and is a no-op elsewhere.
+- `pin_current_thread` pins the calling thread where the OS supports it and is a no-op elsewhere (`pinned_thread`:
+  for a while; `thread_cpus`: where it may run now).
 - `set_worker_spin` bounds how long the kernels' idle pool threads busy-wait before they sleep.
 """
 
@@ -22,6 +26,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -146,6 +151,27 @@ def check_rank(rank: int, num_ranks: int) -> None:
         raise ValueError(f"rank must be an integer in [0, {num_ranks}), got {rank!r}")
 
 
+@dataclass(frozen=True)
+class RankCpus:
+    """A tensor-parallel rank's share of the nodes (`rank_nodes`) and its CPUs: its CPU experts' threads on
+    `kernels`, its host threads on `host`."""
+
+    nodes: tuple[NumaNode, ...]
+    kernels: tuple[int, ...]
+    host: tuple[int, ...]
+
+
+def rank_cpus(nodes: list[NumaNode], rank: int = 0, num_ranks: int = 1, leave_host_cpu: bool = True) -> RankCpus:
+    """Rank `rank`'s share of the nodes' CPUs (`rank_nodes`), its last CPU kept for the rank's host threads where
+    `leave_host_cpu` and the share has another (module docstring): pinned kernel threads that spin on every CPU of
+    the share make the thread that steps the rank wait for a time slice."""
+    share = tuple(rank_nodes(nodes, rank, num_ranks))
+    cpus = node_cpus(list(share))
+    if leave_host_cpu and len(cpus) > 1:
+        return RankCpus(share, cpus[:-1], cpus[-1:])
+    return RankCpus(share, cpus, cpus)
+
+
 def node_cpus(nodes: list[NumaNode]) -> tuple[int, ...]:
     """Every CPU of `nodes`, sorted: a rank's CPU set (`rank_nodes`)."""
     return tuple(sorted({cpu for node in nodes for cpu in node.cpus}))
@@ -174,6 +200,26 @@ def split_dim(size: int, num_parts: int, align: int = 1) -> list[tuple[int, int]
         slices.append((start, end))
         start = end
     return slices
+
+
+def thread_cpus() -> tuple[int, ...] | None:
+    """The CPUs the calling thread may run on (Linux: pid 0 is the calling thread); None where unsupported."""
+    try:
+        return tuple(sorted(os.sched_getaffinity(0)))
+    except (OSError, AttributeError):
+        return None
+
+
+@contextmanager
+def pinned_thread(cpus: Iterable[int] | None):
+    """The calling thread pinned to `cpus` inside (threads it starts meanwhile inherit them), as it was after."""
+    previous = thread_cpus()
+    is_pinned = pin_current_thread(cpus)
+    try:
+        yield
+    finally:
+        if is_pinned and previous is not None:
+            pin_current_thread(previous)
 
 
 def pin_current_thread(cpus: Iterable[int] | None) -> bool:

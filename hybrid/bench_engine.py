@@ -37,6 +37,7 @@ from hybrid.engine import Engine
 from hybrid.engine_config import EngineConfig
 from hybrid.layers.moe import SparseMoE
 from hybrid.llm import LLM
+from hybrid.rank_stats import cpu_seconds_by_rank
 from hybrid.routed_experts import RoutedExperts
 from hybrid.sampling import GuidedSpec, SamplingParams
 from hybrid.synthetic import SHAPES, write_synthetic_checkpoint, write_synthetic_converted
@@ -85,6 +86,7 @@ class CpuExpertsTimer:
 
     seconds: float = 0.0
     calls: int = 0
+    rank_seconds: tuple[float, ...] = ()  # each rank's CPU-experts seconds in the last timed steps (`_time_steps`)
 
     def reset(self) -> None:
         self.seconds, self.calls = 0.0, 0
@@ -138,6 +140,8 @@ def _time_steps(engine: Engine, timer: CpuExpertsTimer) -> tuple[float, list[flo
     """Runs the engine dry, the timer counting from zero; (wall seconds, each step's seconds). The spread of the
     steps tells a few slow ones apart from uniformly slow ones."""
     timer.reset()
+    counters = engine.llm.counters  # every rank's row (`hybrid.rank_stats`): each rank's own CPU experts
+    ranks_before = cpu_seconds_by_rank(counters.table, counters.num_steps)
     start, step_seconds = time.perf_counter(), []
     while engine.has_work():
         step_start = time.perf_counter()
@@ -145,7 +149,10 @@ def _time_steps(engine: Engine, timer: CpuExpertsTimer) -> tuple[float, list[flo
         step_seconds.append(time.perf_counter() - step_start)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    return time.perf_counter() - start, step_seconds
+    seconds = time.perf_counter() - start
+    ranks_after = cpu_seconds_by_rank(counters.table, counters.num_steps)
+    timer.rank_seconds = tuple(a - b for a, b in zip(ranks_after, ranks_before, strict=True))
+    return seconds, step_seconds
 
 
 def _decode(engine: Engine, prompts: list[list[int]], new_tokens: int, timer: CpuExpertsTimer,
@@ -267,6 +274,7 @@ def _measure_decode(engine: Engine, llm: LLM, args, timer: CpuExpertsTimer) -> d
     replays = runner.num_replays if runner else 0
     start = _graph_serving(engine)
     seconds, step_seconds, tokens = _decode(engine, prompts, args.tokens + 1, timer)
+    rank_cpu = timer.rank_seconds
     waited, pool_s, pool_calls = (now - then for now, then in zip(_graph_serving(engine), start, strict=True))
     cpu, calls = timer.seconds + pool_s, timer.calls + pool_calls
     graph_steps = runner.num_replays - replays if runner is not None else 0
@@ -277,7 +285,7 @@ def _measure_decode(engine: Engine, llm: LLM, args, timer: CpuExpertsTimer) -> d
     gpu_only_s = gpu_only_step_seconds(engine, llm, prompts, args.tokens + 1, timer)
     hot_s = hot_call_seconds(llm, engine, args.batch)
     return dict(seconds=seconds, step_seconds=step_seconds, cpu=cpu, tokens=tokens, calls=calls, hot_s=hot_s,
-                gpu_only_s=gpu_only_s, graph_steps=graph_steps, cpu_wait_s=cpu_wait_s)
+                gpu_only_s=gpu_only_s, graph_steps=graph_steps, cpu_wait_s=cpu_wait_s, rank_cpu=rank_cpu)
 
 
 def measure_guided(engine: Engine, llm: LLM, args, spec: GuidedSpec, timer: CpuExpertsTimer) -> dict:
@@ -323,7 +331,7 @@ def _measure_prefill(engine: Engine, llm: LLM, args, timer: CpuExpertsTimer) -> 
                        ignore_eos=True)
     seconds, step_seconds = _time_steps(engine, timer)
     return dict(seconds=seconds, step_seconds=step_seconds, cpu=timer.seconds, tokens=args.tokens, calls=0,
-                hot_s=None, gpu_only_s=None, graph_steps=0, cpu_wait_s=None)
+                hot_s=None, gpu_only_s=None, graph_steps=0, cpu_wait_s=None, rank_cpu=timer.rank_seconds)
 
 
 def link_bytes_per_s(device: str, nbytes: int = 256 << 20) -> float:
@@ -402,6 +410,7 @@ def run(args) -> dict:
     steps, step_times = len(m["step_seconds"]), sorted(m["step_seconds"])
     step_s, cpu_s = m["seconds"] / max(steps, 1), m["cpu"] / max(steps, 1)
     gpu_only_s = m["gpu_only_s"]
+    rank_cpu_ms = [seconds / max(steps, 1) * 1e3 for seconds in m["rank_cpu"]]
     # Not overlapped with the CPU experts: on CUDA the step's GPU time (measured with the experts answering at
     # once, shared experts included, so the bound is a generous one), on the CPU everything else.
     exposed_s = gpu_only_s if gpu_only_s is not None else step_s - cpu_s
@@ -418,6 +427,8 @@ def run(args) -> dict:
             "tokens_per_s": m["tokens"] / m["seconds"], "step_ms": step_s * 1e3, "steps": steps,
             "graph_steps": m["graph_steps"], "step_p50_ms": step_times[len(step_times) // 2] * 1e3,
             "step_max_ms": step_times[-1] * 1e3, "cpu_experts_ms": cpu_s * 1e3, "cpu_wait_ms": _ms(m["cpu_wait_s"]),
+            # each rank's own CPU experts per step (rank 0's alone above): the slowest rank sets the step
+            "rank_cpu_experts_ms": rank_cpu_ms, "max_rank_cpu_experts_ms": max(rank_cpu_ms),
             "gpu_only_ms": _ms(gpu_only_s), "cpu_call_ms": m["cpu"] / m["calls"] * 1e3 if m["calls"] else None,
             "cpu_call_hot_ms": _ms(m["hot_s"]), "not_cpu_ms": (step_s - cpu_s) * 1e3, "read_gb_s": read_bw / 1e9,
             "bound_ms": bound_s * 1e3, "of_bound": bound_s / step_s, "physical_bound_ms": physical_s * 1e3,
@@ -476,6 +487,9 @@ def main(argv: list[str], mode: str) -> int:
           f"{row['physical_bound_ms']:.2f} ms: {row['of_physical_bound']:.0%} of it")
     print(f"{row['steps']} steps ({row['graph_steps']} replayed as graphs): median {row['step_p50_ms']:.2f} ms, "
           f"slowest {row['step_max_ms']:.2f} ms")
+    if row["tensor_parallel_size"] > 1:
+        print(f"CPU experts per step on each rank: {', '.join(f'{v:.2f}' for v in row['rank_cpu_experts_ms'])} ms "
+              f"(slowest {row['max_rank_cpu_experts_ms']:.2f} ms)")
     if row["cpu_wait_ms"] is not None:
         print(f"per graph step, the CPU waited {row['cpu_wait_ms']:.2f} ms for the GPU to reach the MoE layers "
               f"(GPU work before and between them, and the hand-off)")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from cpu_experts.topology import allowed_cpus, discover_nodes, node_cpus, rank_nodes, use_kernel_threads
+from cpu_experts.topology import allowed_cpus, discover_nodes, use_kernel_threads
 from hybrid import parallel
 from hybrid.block_manager import CacheGroupBlocks, OutOfBlocks, blocks_needed
 from hybrid.cache_groups import derive_cache_groups
@@ -142,14 +142,16 @@ class LLM:
 
     def _cpu_threads(self, is_cpu_experts: bool) -> tuple[list, list[int], int | None]:
         """This rank's NUMA nodes and CPUs, and the CPU experts' kernel threads, set now (before loading runs a
-        kernel): a tensor-parallel rank's experts run on its share of the nodes (`topology.rank_nodes`); on CUDA they
-        leave one CPU to the thread driving the GPU."""
+        kernel): a tensor-parallel rank's experts run on its share of the nodes but its host CPU
+        (`topology.rank_cpus`); on CUDA one process's leave one CPU to the thread driving the GPU."""
         cfg, tp = self.engine_config, self.tp
-        nodes = rank_nodes(discover_nodes(), tp.rank, tp.size)
-        cpus = node_cpus(nodes) if tp.size > 1 else allowed_cpus()
-        num_threads = None
-        if is_cpu_experts and (cfg.is_cuda or tp.size > 1):
-            num_threads = max(1, len(cpus) - 1) if cfg.is_cuda else len(cpus)
+        if tp.size > 1:  # the rank's share, found before its threads were pinned (`hybrid.tp_workers`)
+            share = parallel.rank_cpus()
+            nodes, cpus = list(share.nodes), share.kernels  # on CUDA without the rank's host CPU
+            num_threads = len(cpus) if is_cpu_experts else None
+        else:
+            nodes, cpus = discover_nodes(), allowed_cpus()
+            num_threads = max(1, len(cpus) - 1) if is_cpu_experts and cfg.is_cuda else None
         use_kernel_threads(num_threads)
         if tp.size > 1 and not cfg.is_cuda:  # the ranks' dense layers share the cores as their experts do
             torch.set_num_threads(len(cpus))

@@ -1,6 +1,6 @@
 """Tensor parallelism: the one place process-wide state lives (this process's rank and the ranks' count, its
-process groups, the ranks' shared table of metrics), the collectives the layers call, and how a parameter is split
-over the ranks.
+process groups, the ranks' shared table of metrics, its share of the host's CPUs), the collectives the layers call,
+and how a parameter is split over the ranks.
 
 As vLLM splits a model (Megatron-LM's scheme): each rank holds a slice of every large weight, the layers are built
 with per-rank sizes (heads / size, intermediate / size, vocabulary / size padded), and a layer whose last product is
@@ -8,10 +8,10 @@ row-parallel (attention's o_proj, an MLP's down_proj, the MoE block as a whole) 
 ONE all-reduce. Norms, routers and MLA's low-rank down projections stay replicated: every rank computes them on the
 same (reduced) input.
 
-Groups: tensors go over NCCL when the engine's device is CUDA (rank r on `cuda:r`), over gloo otherwise; host
-metadata (each step's inputs, broadcast by rank 0: `hybrid.tp_workers`) always over a gloo group of its own, whose
-timeout is long (workers wait there while the server idles). A rank that dies closes its sockets, so gloo fails
-the others at once.
+Groups: tensors go over NCCL when the engine's device is CUDA (rank r on `cuda:r`), over gloo otherwise; a gloo
+group of its own for the host, whose timeout is long, where the workers wait for each other to be built (each
+step's inputs go through shared memory instead: `hybrid.step_channel`). A rank that dies closes its sockets, so
+gloo fails the others at once.
 
 How a parameter is split is data (`Shard`): each layer class says which of its parameters are split and how
 (`tp_shards()`: its own parameter names -> `Shard`), and `hybrid.models.base.checkpoint_targets_of` wraps each such
@@ -55,6 +55,7 @@ _state = SINGLE  # the ranks this process joined (`init`)
 _device_group = None
 _host_group = None
 _rank_table = None  # every rank's published numbers (`hybrid.rank_stats.RankTable`, in shared memory)
+_rank_cpus = None  # this rank's CPUs (`cpu_experts.topology.RankCpus`), found before any thread was pinned
 _building: TensorParallel | None = None  # the place of the model being built (`building`)
 
 
@@ -90,11 +91,12 @@ def set_nccl_environment() -> None:
     os.environ["NCCL_NVLS_ENABLE"] = "0"
 
 
-def init(rank: int, size: int, init_method: str, device: str, rank_table=None) -> TensorParallel:
+def init(rank: int, size: int, init_method: str, device: str, rank_table=None, cpus=None) -> TensorParallel:
     """Joins the ranks (every rank calls this with the same `init_method`: 'tcp://host:port' or 'file://path');
     tensors over NCCL on `device` when it is CUDA (this rank's `cuda:r`), else over gloo. `rank_table`: the shared
-    table each rank publishes its metrics into (`hybrid.rank_stats`), the same on every rank."""
-    global _state, _device_group, _host_group, _rank_table
+    table each rank publishes its metrics into (`hybrid.rank_stats`), the same on every rank; `cpus`: this rank's
+    `RankCpus` (`hybrid.tp_workers.find_rank_cpus`)."""
+    global _state, _device_group, _host_group, _rank_table, _rank_cpus
     if is_initialized():
         raise RuntimeError(f"tensor parallelism is already initialized in this process ({_state}): close the other "
                            "tensor-parallel LLM first")
@@ -108,7 +110,7 @@ def init(rank: int, size: int, init_method: str, device: str, rank_table=None) -
                             timeout=DEVICE_TIMEOUT, device_id=torch.device(device) if is_cuda else None)
     _device_group = dist.group.WORLD
     _host_group = dist.new_group(backend="gloo", timeout=HOST_TIMEOUT)
-    _state, _rank_table = tp, rank_table
+    _state, _rank_table, _rank_cpus = tp, rank_table, cpus
     return tp
 
 
@@ -116,13 +118,13 @@ def destroy(is_abort: bool = False) -> None:
     """Leaves the ranks (the process groups); the process is one process again. Over NCCL, and with a peer gone
     (`is_abort`), the groups are aborted, which waits for nobody: on the H200 pair NCCL's destroy waited for the
     peer's, and hung for good once decode graphs had captured the collectives."""
-    global _state, _device_group, _host_group, _rank_table
+    global _state, _device_group, _host_group, _rank_table, _rank_cpus
     if dist.is_initialized():
         if is_abort or dist.get_backend() == "nccl":
             distributed_c10d._abort_process_group()
         else:
             dist.destroy_process_group()
-    _state, _device_group, _host_group, _rank_table = SINGLE, None, None, None
+    _state, _device_group, _host_group, _rank_table, _rank_cpus = SINGLE, None, None, None, None
 
 
 def host_group():
@@ -132,6 +134,11 @@ def host_group():
 def rank_table():
     """The table of the ranks this process joined (`init`), or None."""
     return _rank_table
+
+
+def rank_cpus():
+    """This rank's share of the CPUs (`cpu_experts.topology.RankCpus`) where it joined ranks (`init`), else None."""
+    return _rank_cpus
 
 
 def all_reduce(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:

@@ -105,3 +105,14 @@ class RankCounters:
             if self.device.type == "cuda":
                 memory = (torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device))
         self.table.publish(self.rank, self.num_steps, self.cpu_experts_seconds, memory)
+
+
+def cpu_seconds_by_rank(table: RankTable, num_steps: int, timeout: float = 2.0) -> tuple[float, ...]:
+    """Each rank's CPU-experts seconds so far, read once every rank has published `num_steps` steps (rank 0's own
+    count: the other ranks publish theirs just after it, at the end of the same step), or after `timeout` seconds
+    (a rank behind: its latest row). What `hybrid-bench` reads around its timed steps, from outside the ranks."""
+    deadline = time.monotonic() + timeout
+    while (any(table.read(r, True).num_steps < num_steps for r in range(table.size))
+           and time.monotonic() < deadline):
+        time.sleep(1e-4)
+    return tuple(table.read(r, True).cpu_experts_seconds for r in range(table.size))

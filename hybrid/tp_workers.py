@@ -2,11 +2,13 @@
 of which builds its own shard of the model from the same path and config and then serves steps until told to stop.
 
 Rank 0 keeps everything that decides (scheduler, engine, KV-page allocator, sampling, the HTTP server); a step
-reaches the workers at one place, `ModelRunner.execute`, which broadcasts its sequences, token ids and logit rows
-over the host (gloo) group before it runs, so every rank runs the same forward pass on the same pages (each rank's
-KV cache has the same pages, holding its own heads). A runner that captures CUDA graphs is announced the same way
-before it captures, so every rank captures the same buckets in the same order (their collectives captured
-inside). Commands, as tuples:
+reaches the workers at one place, `ModelRunner.execute`, which writes its sequences, token ids and logit rows into
+the step channel (`hybrid.step_channel`: shared memory rank 0 creates before it spawns the others) before it runs,
+so every rank runs the same forward pass on the same pages (each rank's KV cache has the same pages, holding its
+own heads). A runner that captures CUDA graphs is announced the same way before it captures, so every rank captures
+the same buckets in the same order (their collectives captured inside). Every command goes through the channel, in
+one order; the host (gloo) group only waits for the workers to be built (`Workers.wait_ready`). Commands, as
+tuples:
     ("runner", id, max_graph_batch)            build a graph-capturing runner (and capture)
     ("execute", id or None, seqs, input_ids, logit_rows)   one forward pass (None: the eager runner)
     ("close", id)                              close a graph runner
@@ -16,20 +18,33 @@ Metrics: each rank writes its numbers into its row of a table in shared memory t
 spawn (`hybrid.rank_stats`), at the end of each step; rank 0's server reads the rows, and each worker's liveness
 from its process's sentinel, without a command or a collective (`Workers.alive`).
 
-Failures: a worker that raises reports its traceback to rank 0 (a pipe) and exits, which closes its sockets, so
-rank 0's next collective fails at once over gloo; rank 0 then raises the worker's error (`Workers.raise_reported`).
-A watchdog thread in rank 0 logs a worker's death and report the moment it exits; over NCCL, where rank 0 may be
-blocked for good in a collective (or a synchronisation) waiting for the dead rank, it ends rank 0's process if
-rank 0 has not raised the failure itself within `BLOCKED_EXIT_SECONDS`.
+Host CPUs (on CUDA): each rank's CPU experts run on its share of the host's CPUs but one (`topology.rank_cpus`);
+that one is the rank's host CPU, for the thread that steps the rank (it receives the step, prepares the inputs and
+launches the graph: a worker's main thread once its shard is loaded, and rank 0's thread that sends the steps,
+pinned at its first, until `stop`) and for gloo's and NCCL's threads (started while the joining thread is pinned
+there, they inherit it). A thread started by a pinned one inherits its CPU too (numba's pool, where a pinned
+thread runs a kernel itself). Kernel threads that spin on every CPU of a share would make the stepping thread wait
+for a time slice. On the CPU device nothing is pinned: the ranks' dense layers compute on their whole share.
+
+Failures: a worker that raises reports its traceback to rank 0 (a pipe) and exits. Rank 0 sees it before its next
+command (the worker's process sentinel, `Workers.check`), while it waits for room in the channel, or in the step's
+collectives, which fail at once over gloo (a dead process closes its sockets); it then raises the worker's error
+(`Workers.raise_reported`). A worker whose rank 0 died sees its parent's sentinel while it waits for a command and
+exits. A watchdog thread in rank 0 logs a worker's death and report the moment it exits; over NCCL, where rank 0
+may be blocked for good in a collective (or a synchronisation) waiting for the dead rank, it ends rank 0's process
+if rank 0 has not raised the failure itself within `BLOCKED_EXIT_SECONDS`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import multiprocessing
 import os
 import socket
 import sys
 import threading
+import time
 import traceback
 from itertools import count
 from multiprocessing.connection import wait
@@ -39,8 +54,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from tqdm import tqdm
 
+from cpu_experts.topology import RankCpus, discover_nodes, pin_current_thread, pinned_thread, rank_cpus, thread_cpus
 from hybrid import parallel
 from hybrid.rank_stats import RankTable
+from hybrid.step_channel import StepChannel
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +82,12 @@ def rank_device(device: str, rank: int) -> str:
     return f"cuda:{rank}" if torch.device(device).type == "cuda" else device
 
 
+def find_rank_cpus(config, rank: int) -> RankCpus:
+    """Rank `rank`'s CPUs (module docstring), found from the process's CPUs before any of its threads is pinned."""
+    is_cuda = torch.device(config.device).type == "cuda"
+    return rank_cpus(discover_nodes(), rank, config.tensor_parallel_size, leave_host_cpu=is_cuda)
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -72,7 +95,7 @@ def _free_port() -> int:
 
 
 class Workers:
-    """Rank 0's side: the other ranks' processes, the broadcast of commands and the failures they report."""
+    """Rank 0's side: the other ranks' processes, the channel of commands and the failures they report."""
 
     def __init__(self, path, config):
         self.size = config.tensor_parallel_size
@@ -83,8 +106,9 @@ class Workers:
         pipes = [context.Pipe(duplex=False) for _ in range(1, self.size)]  # (rank 0's end, the worker's)
         self.reports = [reader for reader, _ in pipes]
         table = RankTable(self.size, is_shared=True)  # every rank's metrics (`hybrid.rank_stats`)
+        self.channel = StepChannel(self.size - 1)  # every command, in order (`hybrid.step_channel`)
         self.processes = [context.Process(target=worker_main,
-                                          args=(str(path), config, rank, init_method, writer, table),
+                                          args=(str(path), config, rank, init_method, writer, table, self.channel),
                                           name=f"hybrid-tp-rank{rank}", daemon=True)
                           for rank, (_, writer) in enumerate(pipes, start=1)]
         for process in self.processes:
@@ -97,9 +121,13 @@ class Workers:
         self._failures: list[str] = []  # workers' reports, read by whichever thread saw them first
         self._lock = threading.Lock()
         self._is_raised = threading.Event()  # rank 0 raised a worker's failure (the watchdog need not end it)
+        self.is_pinning = torch.device(config.device).type == "cuda"
+        self._pinned: dict[int, tuple[int, ...] | None] = {}  # a stepping thread -> its CPUs before (`send`)
         try:
+            self.cpus = find_rank_cpus(config, 0)
             self._wait_joining()
-            parallel.init(0, self.size, init_method, rank_device(config.device, 0), table)
+            with pinned_thread(self.cpus.host if self.is_pinning else None):  # gloo's and NCCL's threads there
+                parallel.init(0, self.size, init_method, rank_device(config.device, 0), table, self.cpus)
         except BaseException:
             self._terminate()
             raise
@@ -137,8 +165,13 @@ class Workers:
         return runner_id
 
     def send(self, command: tuple) -> None:
+        """Writes `command` for every worker and returns (it waits only where the channel is full). The thread that
+        sends is the one that steps rank 0: pinned to rank 0's host CPU (module docstring) until `stop`."""
+        if self.is_pinning and threading.get_ident() not in self._pinned:
+            self._pinned[threading.get_ident()] = thread_cpus()
+            pin_current_thread(self.cpus.host)
         self.check()
-        self.guard(lambda: dist.broadcast_object_list([command], src=0, group=parallel.host_group()))
+        self.channel.write(command, self.check)
 
     def check(self) -> None:
         """Raises the error of a worker that has exited (cheap: one waitpid per worker)."""
@@ -206,13 +239,23 @@ class Workers:
             return
         self._is_stopping = True  # the workers' exits from here on are expected (`_watch`)
         is_told = False
+        deadline = time.monotonic() + JOIN_SECONDS
+
+        def check() -> None:  # a full channel: a worker that reads no more is not waited for long
+            self.check()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"a tensor-parallel worker read no command for {JOIN_SECONDS:.0f} s")
+
         try:
             if all(p.is_alive() for p in self.processes):  # else the others wait for a step that never comes
-                dist.broadcast_object_list([("stop",)], src=0, group=parallel.host_group())
+                self.channel.write(("stop",), check)
                 is_told = True
         except RuntimeError as exc:
             log.warning("stopping the tensor-parallel workers: %s", exc)
         self.is_stopped = True
+        previous = self._pinned.pop(threading.get_ident(), None)
+        if previous is not None:  # the stepping thread (say the main thread) may start other ranks after
+            pin_current_thread(previous)
         if is_told:  # the workers leave the groups now: rank 0 with them (`parallel.destroy`)
             parallel.destroy()
             for process in self.processes:
@@ -229,15 +272,11 @@ class Workers:
                 process.join()
 
 
-def receive() -> tuple:
-    command = [None]
-    dist.broadcast_object_list(command, src=0, group=parallel.host_group())
-    return command[0]
-
-
-def worker_main(path: str, config, rank: int, init_method: str, report, table: RankTable) -> None:
-    """Rank `rank`'s process: joins the ranks, builds its shard of the model, serves rank 0's commands; a failure
-    goes to rank 0 through `report` (a pipe's sending end); its metrics go into its row of `table`."""
+def worker_main(path: str, config, rank: int, init_method: str, report, table: RankTable,
+                channel: StepChannel) -> None:
+    """Rank `rank`'s process: joins the ranks, builds its shard of the model, serves rank 0's commands from
+    `channel`; a failure goes to rank 0 through `report` (a pipe's sending end); its metrics go into its row of
+    `table`."""
     global _is_worker
     _is_worker = True
     # tqdm's default lock is a multiprocessing semaphore, which the fast exit below would leak: a thread lock does
@@ -247,15 +286,20 @@ def worker_main(path: str, config, rank: int, init_method: str, report, table: R
         from hybrid.llm import LLM
 
         report.send(JOINING)
-        parallel.init(rank, config.tensor_parallel_size, init_method, rank_device(config.device, rank), table)
+        cpus = find_rank_cpus(config, rank)
+        is_cuda = torch.device(config.device).type == "cuda"
+        with pinned_thread(cpus.host if is_cuda else None):  # gloo's and NCCL's threads start here: they inherit it
+            parallel.init(rank, config.tensor_parallel_size, init_method, rank_device(config.device, rank), table,
+                          cpus)
         llm = LLM(path, config)
         dist.barrier(group=parallel.host_group())  # this rank is ready (`Workers.wait_ready`)
-        serve(llm)
+        serve(llm, channel, rank)
         llm.close()
         parallel.destroy()
     except BaseException as exc:  # rank 0 raises it (`Workers.raise_reported`); its sockets close as this process exits
         lines = traceback.format_exception(exc)
-        report.send(f"rank {rank} failed: {type(exc).__name__}: {exc}\n{''.join(lines)}")
+        with contextlib.suppress(OSError):  # rank 0 is gone (`ChannelClosed`): nobody to tell
+            report.send(f"rank {rank} failed: {type(exc).__name__}: {exc}\n{''.join(lines)}")
         code = 1
     # nothing is left to tear down that the interpreter's exit would (seconds of module teardown per worker)
     sys.stdout.flush()
@@ -263,14 +307,28 @@ def worker_main(path: str, config, rank: int, init_method: str, report, table: R
     os._exit(code)
 
 
+def parent_alive():
+    """Whether the process that spawned this one lives (its sentinel: the pipe it spawned us through closes as it
+    exits); a process not spawned by multiprocessing: whether its parent is still the one it started with."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        ppid = os.getppid()
+        return lambda: os.getppid() == ppid
+    return lambda: not wait([parent.sentinel], timeout=0)
+
+
 @torch.inference_mode()
-def serve(llm) -> None:
+def serve(llm, channel: StepChannel, rank: int) -> None:
+    """Runs rank 0's commands until "stop"; `ChannelClosed` where rank 0 exits meanwhile."""
     from hybrid.model_runner import ModelRunner
 
     runners: dict[int, ModelRunner] = {}
     is_cuda = llm.engine_config.is_cuda
+    is_rank0_alive = parent_alive()
+    if is_cuda:  # this thread steps the rank from now on (it loaded the shard on every CPU of the process)
+        pin_current_thread(parallel.rank_cpus().host)
     while True:
-        command = receive()
+        command = channel.read(rank - 1, is_rank0_alive)
         kind = command[0]
         if kind == "stop":
             break

@@ -161,6 +161,9 @@ def test_engine_benchmarks_run_on_a_converted_model(tmp_path, capsys):
                  "--tokens", "4", "--json", "--tp", "2"]) == 0
     row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert row["tokens_per_s"] > 0
+    # each rank's own CPU experts over the timed steps (their rows of the ranks' table), rank 0 first
+    ranks = row["rank_cpu_experts_ms"]
+    assert len(ranks) == 2 and min(ranks) > 0 and row["max_rank_cpu_experts_ms"] == max(ranks), row
 
 
 def test_read_bandwidth_by_pinned_threads_and_by_openmp():

@@ -13,8 +13,11 @@ from cpu_experts.topology import (
     node_cpus,
     parse_cpulist,
     pin_current_thread,
+    pinned_thread,
+    rank_cpus,
     rank_nodes,
     split_dim,
+    thread_cpus,
 )
 
 linux_affinity = pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="needs os.sched_getaffinity")
@@ -138,6 +141,33 @@ def test_rank_nodes_on_fewer_cpus_than_ranks_share_round_robin():
     nodes = [NumaNode(0, (4, 9))]
     assert [node_cpus(rank_nodes(nodes, r, 3)) for r in range(3)] == [(4,), (9,), (4,)]
     assert [node_cpus(rank_nodes(_nodes(2, 2), r, 2)) for r in range(2)] == [(0, 1), (2, 3)]
+
+
+@pytest.mark.parametrize("nodes", [_nodes(1, 32), _nodes(2, 16), _nodes(4, 4), _nodes(1, 8)], ids=str)
+@pytest.mark.parametrize("num_ranks", [2, 4])
+def test_rank_cpus_keep_one_cpu_of_each_share_for_the_host_threads(nodes, num_ranks):
+    """On CUDA each rank's kernel threads leave the last CPU of its share to its host threads (the thread that
+    steps it, gloo's, NCCL's): the ranks' CPU sets are disjoint, kernels and host are disjoint within a rank, and
+    together they are the rank's share; without a host CPU asked for, both are the whole share."""
+    ranks = [rank_cpus(nodes, r, num_ranks) for r in range(num_ranks)]
+    every = [c for r in ranks for c in r.kernels + r.host]
+    assert sorted(every) == sorted(node_cpus(nodes))  # disjoint over the ranks, covering the machine
+    for rank, cpus in enumerate(ranks):
+        assert len(cpus.host) == 1 and cpus.host[0] not in cpus.kernels and cpus.kernels
+        assert set(cpus.kernels + cpus.host) == set(node_cpus(list(cpus.nodes)))
+        assert list(cpus.nodes) == rank_nodes(nodes, rank, num_ranks)
+    alone = rank_cpus(nodes, 0, num_ranks, leave_host_cpu=False)
+    assert alone.kernels == alone.host == node_cpus(rank_nodes(nodes, 0, num_ranks))
+    one_cpu = rank_cpus([NumaNode(0, (4, 9))], 1, 2)  # a share of one CPU: kernels and host share it
+    assert one_cpu.kernels == one_cpu.host == (9,)
+
+
+@linux_affinity
+def test_pinned_thread_restores_the_threads_cpus():
+    before = thread_cpus()
+    with pinned_thread(before[-1:]):
+        assert thread_cpus() == before[-1:]
+    assert thread_cpus() == before
 
 
 @pytest.mark.parametrize("rank,num_ranks", [(2, 2), (-1, 2), (0, 0), (True, 2), (0, 1.5)])

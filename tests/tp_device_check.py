@@ -1,10 +1,12 @@
-"""Device check of tensor parallelism on 2 GPUs (NCCL, CUDA graphs with the collectives captured), run by hand on a
-multi-GPU host (a helper, not a test module): `python3 tests/tp_device_check.py [OUT_DIR]`.
+"""Device check of tensor parallelism on 2 or more GPUs (NCCL, CUDA graphs with the collectives captured), run by
+hand on a multi-GPU host (a helper, not a test module): `python3 tests/tp_device_check.py [OUT_DIR [SIZES]]`,
+SIZES the tensor-parallel sizes compared with tp=1, a comma list (default "2").
 
-1. The NCCL all-reduce of a step's hidden state, in a CUDA graph: what each attention and MoE block adds.
+1. The NCCL all-reduce of a step's hidden state, in a CUDA graph, over the largest of SIZES: what each attention
+   and MoE block adds.
 2. Parity: a Qwen3-MoE (GQA, KV heads split; bf16) and a DeepSeek-V3 (MLA; float32, its experts on the CPU
    operator, int8, each rank its slice of I, and 4 experts a layer on the GPUs, dealt over them) of small sizes
-   with large-spread weights (`checkpoints.make_checkpoint`): tp=2 against tp=1, the eager prefill's logits
+   with large-spread weights (`checkpoints.make_checkpoint`): each of SIZES against tp=1, the eager prefill's logits
    (relative to the largest) and the greedy tokens of an engine decoding 4 requests through CUDA graphs (both sizes
    must replay graphs).
    (Decode and prefill rates: `hybrid-bench decode|prefill --tp N`.)
@@ -66,30 +68,36 @@ def parity_run(path, tp: int, **options) -> dict:
     return {"logits": logits, "tokens": tokens, "graph_replays": replays}
 
 
-def parity(name: str, cfg, workdir: Path, variant: str = "", **options) -> dict:
+def parity(name: str, cfg, workdir: Path, sizes: list[int], variant: str = "", **options) -> list[dict]:
+    """One row per size in `sizes`: that tensor-parallel size against tp=1."""
     path = workdir / name
     if not path.exists():
         make_checkpoint(cfg, path, seed=1, dtype=torch.bfloat16)
-    one, two = parity_run(path, 1, **options), parity_run(path, 2, **options)
-    name = f"{name} {variant}".strip()
-    scale = float(one["logits"].abs().max())
-    error = float((one["logits"] - two["logits"]).abs().max()) / scale
-    same = sum(a == b for x, y in zip(one["tokens"], two["tokens"], strict=True) for a, b in zip(x, y, strict=True))
-    total = sum(len(x) for x in one["tokens"])
-    # bf16 sums in another order may flip a near-tie late in a sequence: the first tokens must agree, all of them
-    # should (`tokens_equal`)
-    ok = (error < LOGIT_TOLERANCE and [t[0] for t in one["tokens"]] == [t[0] for t in two["tokens"]]
-          and min(one["graph_replays"], two["graph_replays"]) > 0)
-    return {"check": f"parity {name}", "ok": ok, "logit_rel_error": error,
-            "tokens_equal": one["tokens"] == two["tokens"], "same_tokens": f"{same}/{total}",
-            "graph_replays": [one["graph_replays"], two["graph_replays"]]}
+    one = parity_run(path, 1, **options)
+    rows = []
+    for size in sizes:
+        two = parity_run(path, size, **options)
+        scale = float(one["logits"].abs().max())
+        error = float((one["logits"] - two["logits"]).abs().max()) / scale
+        same = sum(a == b for x, y in zip(one["tokens"], two["tokens"], strict=True)
+                   for a, b in zip(x, y, strict=True))
+        total = sum(len(x) for x in one["tokens"])
+        # bf16 sums in another order may flip a near-tie late in a sequence: the first tokens must agree, all of
+        # them should (`tokens_equal`)
+        ok = (error < LOGIT_TOLERANCE and [t[0] for t in one["tokens"]] == [t[0] for t in two["tokens"]]
+              and min(one["graph_replays"], two["graph_replays"]) > 0)
+        rows.append({"check": f"parity {name} {variant}".strip(), "tp": size, "ok": ok, "logit_rel_error": error,
+                     "tokens_equal": one["tokens"] == two["tokens"], "same_tokens": f"{same}/{total}",
+                     "graph_replays": [one["graph_replays"], two["graph_replays"]]})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
 
 
-def _all_reduce_worker(rank: int, port: int, sizes, out) -> None:
+def _all_reduce_worker(rank: int, world_size: int, port: int, sizes, out) -> None:
     import torch.distributed as dist
 
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             device_id=torch.device("cuda", rank))
     for rows, hidden in sizes:
         x = torch.ones(rows, hidden, dtype=torch.bfloat16, device="cuda")
@@ -107,14 +115,15 @@ def _all_reduce_worker(rank: int, port: int, sizes, out) -> None:
             graph.replay()
         torch.cuda.synchronize()
         if rank == 0:
-            out.put({"check": "all_reduce bf16 (NCCL, in a CUDA graph)", "rows": rows, "hidden": hidden,
-                     "us": (time.perf_counter() - start) / 500 * 1e6})
+            out.put({"check": "all_reduce bf16 (NCCL, in a CUDA graph)", "tp": world_size, "rows": rows,
+                     "hidden": hidden, "us": (time.perf_counter() - start) / 500 * 1e6})
     dist.destroy_process_group()
 
 
-def all_reduce_latency(sizes=((1, 2048), (16, 2048), (1, 7168), (16, 7168), (2048, 2048))) -> list[dict]:
-    """One all-reduce of a [T, H] bf16 step's hidden state between the 2 GPUs, timed as 100 in a graph: what each
-    attention and MoE block adds to a tensor-parallel step."""
+def all_reduce_latency(world_size: int, sizes=((1, 2048), (16, 2048), (1, 7168), (16, 7168), (2048, 2048))
+                       ) -> list[dict]:
+    """One all-reduce of a [T, H] bf16 step's hidden state between `world_size` GPUs, timed as 100 in a graph: what
+    each attention and MoE block adds to a tensor-parallel step."""
     import socket
 
     import torch.multiprocessing as mp
@@ -124,7 +133,8 @@ def all_reduce_latency(sizes=((1, 2048), (16, 2048), (1, 7168), (16, 7168), (204
         port = sock.getsockname()[1]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_all_reduce_worker, args=(r, port, sizes, out)) for r in range(2)]
+    procs = [ctx.Process(target=_all_reduce_worker, args=(r, world_size, port, sizes, out))
+             for r in range(world_size)]
     for p in procs:
         p.start()
     rows = [out.get(timeout=300) for _ in sizes]
@@ -135,22 +145,23 @@ def all_reduce_latency(sizes=((1, 2048), (16, 2048), (1, 7168), (16, 7168), (204
 
 def main() -> int:
     out = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(".")
+    sizes = [int(size) for size in (sys.argv[2] if len(sys.argv) > 2 else "2").split(",")]
+    if min(sizes) < 2 or max(sizes) > torch.cuda.device_count():
+        raise SystemExit(f"tp_device_check: sizes {sizes} must lie in 2..{torch.cuda.device_count()} (the GPUs)")
     out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for row in all_reduce_latency():
+    for row in all_reduce_latency(max(sizes)):
         rows.append(row)
         print(json.dumps(row), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        rows.append(parity("qwen3_moe", qwen3_moe(), workdir))
-        print(json.dumps(rows[-1]), flush=True)
+        rows += parity("qwen3_moe", qwen3_moe(), workdir, sizes)
         # MLA in float32: this model's large-spread weights make bf16 itself drift far from float32 (on the CPU,
         # one process: 39% of the largest logit; tp=2 at float32 equals tp=1 exactly there), so a bf16 comparison
         # would measure rounding, not the split. The product's placement: CPU experts (int8, each rank its slice
         # of I) with 4 experts a layer on the GPUs, dealt over them.
-        rows.append(parity("deepseek_v3", deepseek_v3(), workdir, "cpu_experts float32", dtype="float32",
-                           expert_placement="cpu", gpu_experts=4))
-        print(json.dumps(rows[-1]), flush=True)
+        rows += parity("deepseek_v3", deepseek_v3(), workdir, sizes, "cpu_experts float32", dtype="float32",
+                       expert_placement="cpu", gpu_experts=4)
     (out / "tp_check.json").write_text(json.dumps(rows, indent=1))
     return 0 if all(r.get("ok", True) for r in rows) else 1
 
