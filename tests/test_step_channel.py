@@ -39,8 +39,9 @@ def _read_until_closed(channel: StepChannel, result: str) -> None:
 
     try:
         channel.read(0, parent_alive())
-    except ChannelClosed as exc:
-        Path(result).write_text(str(exc))
+    except ChannelClosed as exc:  # written whole, then renamed: the test polls for the name
+        Path(result + ".part").write_text(str(exc))
+        Path(result + ".part").rename(result)
 
 
 def _start_reader_and_die(channel: StepChannel, result: str) -> None:
