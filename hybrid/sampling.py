@@ -316,8 +316,12 @@ def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
 
 def _to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A host list -> a tensor on `device` without waiting for the GPU: a blocking host-to-device copy synchronises
-    the stream, i.e. waits for the forward pass still queued on it."""
-    return torch.tensor(data, dtype=dtype).to(device, non_blocking=True)
+    the stream, i.e. waits for the forward pass still queued on it, and so may a non-blocking one from pageable
+    memory (CUDA stages it through a buffer of its own), so on CUDA the list is copied from page-locked memory."""
+    tensor = torch.tensor(data, dtype=dtype)
+    if torch.device(device).type == "cuda":
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
 
 
 def _exponential_race(probs: torch.Tensor, generators: Sequence[torch.Generator | None],
