@@ -237,9 +237,8 @@ def apply_token_mask(logits: torch.Tensor, mask: TokenMask | None) -> tuple[torc
 
 @functools.cache
 def _byte_bits(device: torch.device) -> torch.Tensor:
-    """[8] uint8 on `device`: 1 << j, bit j of a byte. Made once per device (its copy there may wait for the
-    device), then every mask reads it."""
-    return torch.tensor([1 << j for j in range(8)], dtype=torch.uint8).to(device)
+    """[8] uint8 on `device`: 1 << j, bit j of a byte; made once per device."""
+    return _to_device([1 << j for j in range(8)], torch.uint8, device)
 
 
 def apply_penalties_batch(logits: torch.Tensor, rows: Sequence[RowInputs]) -> torch.Tensor:
