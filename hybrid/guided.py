@@ -190,6 +190,8 @@ class GuidedRequests:
         row's all ones; None when no row is constrained (nothing is done). Filled in one buffer that every step
         reuses: the step's sampling ends in a transfer that waits for the device (`sample_batch`), after the mask's
         copy, so the next step finds the buffer free."""
+        if not self._matchers:  # no constrained request at all: not even a look at the rows
+            return None
         rows = [i for i, request_id in enumerate(request_ids) if request_id in self._matchers]
         if not rows:
             return None
