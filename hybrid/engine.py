@@ -90,7 +90,7 @@ class Engine:
         self._detokenizers: dict[int, IncrementalDetokenizer] = {}
         # compiled grammars: the server attaches its tokenizer and compiles there, where the engine has none
         self.grammars = GrammarCache(llm.config.vocab_size, tokenizer)
-        self._guided = GuidedRequests(self.grammars)
+        self._guided = GuidedRequests(self.grammars, pin_memory=torch.device(self.device).type == "cuda")
         llm.attach_engine(self)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None, max_tokens: int = 16,

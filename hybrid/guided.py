@@ -3,9 +3,12 @@ request, and the step's token bitmask filled on the host.
 
 The engine fills the bitmask (`GuidedRequests.fill`) after the runner has launched the step's forward pass and
 before sampling reads its logits, so on a GPU the host computes the masks while the device computes the logits;
-`hybrid.sampling.sample_batch` then applies them on the device. The mask applies to the logits a CUDA graph returns,
-outside the graph, so the captured graphs are the same with or without constraints. A request without a spec has no
-matcher and the step no mask: it pays nothing, and xgrammar is not even imported until a first spec is compiled.
+`hybrid.sampling.sample_batch` then applies them on the device: one page-locked buffer, one copy queued without
+waiting, three device ops over every row at once, no wait for the device but the sampler's own. The mask applies to
+the logits a CUDA graph returns, outside the graph, so the captured graphs are the same with or without constraints.
+A request without a spec has no matcher, and a step without one no mask: it pays nothing, and xgrammar is not even
+imported until a first spec is compiled. What a constrained step still adds after its wait for the device: each
+constrained row's `accept` (xgrammar advancing its matcher by the sampled token) and the mask's device ops.
 
 A matcher advances with each token the request samples and with nothing else. A preempted request keeps its output
 tokens and recomputes their KV; the token sampled after the recompute follows them, so its matcher stays as it was
@@ -20,6 +23,8 @@ import re
 import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING
+
+import torch
 
 from hybrid.sampling import GuidedSpec, TokenMask
 
@@ -152,12 +157,17 @@ def _compile_structural_tag(compiler: xgrammar.GrammarCompiler, tag: dict) -> xg
 
 
 class GuidedRequests:
-    """The engine's matchers, one per constrained request (by request id)."""
+    """The engine's matchers, one per constrained request (by request id), and the host buffer their masks are
+    filled in."""
 
-    def __init__(self, grammars: GrammarCache):
+    def __init__(self, grammars: GrammarCache, pin_memory: bool = False):
+        """`pin_memory`: the logits are on CUDA; the masks are filled in page-locked memory, whose copy to the device
+        is queued without waiting (from pageable memory the driver may wait for the step before copying)."""
         self.grammars = grammars
+        self.pin_memory = pin_memory
         self._matchers: dict[int, xgrammar.GrammarMatcher] = {}
         self._batch: xgrammar.BatchGrammarMatcher | None = None
+        self._bitmask: torch.Tensor | None = None  # [rows, ceil(V / 32)] int32, reused by every step
 
     def __contains__(self, request_id: int) -> bool:
         return request_id in self._matchers
@@ -176,22 +186,38 @@ class GuidedRequests:
         self._matchers.pop(request_id, None)
 
     def fill(self, request_ids: list[int]) -> TokenMask | None:
-        """The bitmask of the step's constrained rows (`request_ids`: the sampled rows' requests, in order); None
-        when none is constrained."""
+        """The step's mask, one row per sampled row (`request_ids`: the rows' requests, in order), an unconstrained
+        row's all ones; None when no row is constrained (nothing is done). Filled in one buffer that every step
+        reuses: the step's sampling ends in a transfer that waits for the device (`sample_batch`), after the mask's
+        copy, so the next step finds the buffer free."""
+        if not self._matchers:  # no constrained request at all: not even a look at the rows
+            return None
         rows = [i for i, request_id in enumerate(request_ids) if request_id in self._matchers]
         if not rows:
             return None
-        import xgrammar
-
-        bitmask = xgrammar.allocate_token_bitmask(len(rows), self.grammars.vocab_size)  # fresh: copied async
+        bitmask = self._rows(len(request_ids))
+        if len(rows) < len(request_ids):
+            bitmask.fill_(-1)  # every token allowed; the constrained rows are overwritten whole
         matchers = [self._matchers[request_ids[i]] for i in rows]
         if len(matchers) == 1:
-            matchers[0].fill_next_token_bitmask(bitmask, 0)
+            matchers[0].fill_next_token_bitmask(bitmask, rows[0])
         else:
             if self._batch is None:
-                self._batch = xgrammar.BatchGrammarMatcher()
-            self._batch.batch_fill_next_token_bitmask(matchers, bitmask)
-        return TokenMask(rows, bitmask)
+                import xgrammar
+
+                # one thread, the engine's: while a CUDA step runs, the host's other cores compute its CPU experts
+                self._batch = xgrammar.BatchGrammarMatcher(max_threads=1)
+            self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+        return TokenMask(bitmask)
+
+    def _rows(self, num_rows: int) -> torch.Tensor:
+        """The first `num_rows` rows of the mask buffer, allocated (page-locked if `pin_memory`) at the first step
+        that needs more, twice the rows it had: a server's batch grows a request at a time."""
+        if self._bitmask is None or len(self._bitmask) < num_rows:
+            capacity = max(num_rows, 2 * len(self._bitmask)) if self._bitmask is not None else num_rows
+            self._bitmask = torch.empty(capacity, (self.grammars.vocab_size + 31) // 32, dtype=torch.int32,
+                                        pin_memory=self.pin_memory)
+        return self._bitmask[:num_rows]
 
     def accept(self, request_id: int, token: int) -> tuple[bool, bool]:
         """Advances the request's matcher by its sampled token: (accepted, the grammar has ended). An unconstrained

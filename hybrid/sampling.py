@@ -9,6 +9,7 @@ references it is tested against."""
 
 from __future__ import annotations
 
+import functools
 import math
 from array import array
 from collections.abc import Sequence
@@ -43,10 +44,11 @@ class GuidedSpec:
 
 @dataclass(frozen=True)
 class TokenMask:
-    """The tokens each constrained row of a step may sample: `bitmask` [len(rows), ceil(V / 32)] int32 on the host,
-    bit j of word w allowing token 32 * w + j (xgrammar's layout), `rows` the sampled rows it applies to."""
+    """The tokens each row of a step may sample: `bitmask` [N, ceil(V / 32)] int32 on the host, one row per sampled
+    row, bit j of word w allowing token 32 * w + j (xgrammar's layout); an unconstrained row's words are all ones.
+    On CUDA the engine fills it in page-locked memory, so that its one copy to the device does not wait for the
+    step (`hybrid.guided.GuidedRequests.fill`)."""
 
-    rows: Sequence[int]
     bitmask: torch.Tensor
 
 
@@ -183,9 +185,9 @@ def sample_batch(logits: torch.Tensor, rows: Sequence[RowInputs], generator: tor
     A row with a NaN or inf among its penalised logits samples nothing (token -1, an error): argmax would pick
     whatever the NaN is, and the request must fail rather than continue on a garbage token.
 
-    `mask` (grammar-constrained rows): its rows' disallowed tokens are -inf first, before the penalties, so they
-    are never sampled and the logprobs are the constrained distribution's; those -inf are not errors. Without a
-    mask nothing of this runs.
+    `mask` (grammar-constrained rows, `TokenMask`): each row's disallowed tokens are -inf first, before the
+    penalties, so they are never sampled and the logprobs are the constrained distribution's; those -inf are not
+    errors. Without a mask nothing of this runs.
 
     Everything stays on the device up to one `.tolist()` of a packed float64 tensor (token ids are exact in it), so
     a CUDA step waits for the GPU once."""
@@ -217,18 +219,26 @@ def sample_batch(logits: torch.Tensor, rows: Sequence[RowInputs], generator: tor
 
 
 def apply_token_mask(logits: torch.Tensor, mask: TokenMask | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """logits [N, V] -> (a copy with the masked rows' disallowed tokens at -inf, those positions [N, V] bool);
-    (`logits`, None) without a mask. The bits are unpacked on the device: one copy of C * V / 32 words."""
-    if mask is None or not len(mask.rows):
+    """logits [N, V] -> (a copy with the disallowed tokens at -inf, those positions [N, V] bool); (`logits`, None)
+    without a mask. One copy of the N * V / 32 words to the device (no wait: see `TokenMask`) and three device ops:
+    the words read as bytes (byte k of word w: tokens 32 * w + 8 * k + j, its bit j; little-endian, as x86 hosts
+    and the GPUs are), each byte's bits tested at once, the logits filled."""
+    if mask is None:
         return logits, None
     num_rows, num_vocab = logits.shape
-    device = logits.device
-    words = mask.bitmask.to(device, non_blocking=True)  # [C, W] int32
-    shifts = torch.arange(32, dtype=torch.int32, device=device)
-    allowed = ((words[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :num_vocab]  # [C, V]
-    index = _to_device(list(mask.rows), torch.long, device)
-    disallowed = torch.zeros(num_rows, num_vocab, dtype=torch.bool, device=device).index_copy(0, index, ~allowed)
+    if mask.bitmask.shape != (num_rows, (num_vocab + 31) // 32):
+        raise ValueError(f"token mask: bitmask of shape {tuple(mask.bitmask.shape)} for logits of shape "
+                         f"{tuple(logits.shape)}: one row of ceil(V / 32) words per logits row")
+    words = mask.bitmask.to(logits.device, non_blocking=True)  # [N, W] int32
+    bytes_ = words.view(torch.uint8)  # [N, 4W]
+    disallowed = ((bytes_[:, :, None] & _byte_bits(logits.device)) == 0).flatten(1)[:, :num_vocab]  # [N, V]
     return logits.masked_fill(disallowed, float("-inf")), disallowed
+
+
+@functools.cache
+def _byte_bits(device: torch.device) -> torch.Tensor:
+    """[8] uint8 on `device`: 1 << j, bit j of a byte; made once per device."""
+    return _to_device([1 << j for j in range(8)], torch.uint8, device)
 
 
 def apply_penalties_batch(logits: torch.Tensor, rows: Sequence[RowInputs]) -> torch.Tensor:
@@ -305,8 +315,12 @@ def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
 
 def _to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A host list -> a tensor on `device` without waiting for the GPU: a blocking host-to-device copy synchronises
-    the stream, i.e. waits for the forward pass still queued on it."""
-    return torch.tensor(data, dtype=dtype).to(device, non_blocking=True)
+    the stream, i.e. waits for the forward pass still queued on it, and so may a non-blocking one from pageable
+    memory (CUDA stages it through a buffer of its own), so on CUDA the list is copied from page-locked memory."""
+    tensor = torch.tensor(data, dtype=dtype)
+    if torch.device(device).type == "cuda":
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
 
 
 def _exponential_race(probs: torch.Tensor, generators: Sequence[torch.Generator | None],

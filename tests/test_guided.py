@@ -16,7 +16,7 @@ import torch
 from server_support import API_KEY, TINY, chat_choices, engine_server
 
 from hybrid.engine import Engine
-from hybrid.guided import GrammarCache
+from hybrid.guided import GrammarCache, GuidedRequests
 from hybrid.llm import LLM
 from hybrid.sampling import GuidedSpec, RowInputs, SamplingParams, TokenMask, apply_token_mask, sample_batch
 from server.app import load_tokenizer
@@ -287,10 +287,11 @@ def test_engine_refuses_invalid_specs_and_caches_grammars(engine, tokenizer):
         GrammarCache(512).get(specs[0])
 
 
-def _mask_of(allowed: list[list[int]], vocab_size: int) -> torch.Tensor:
+def _mask_of(allowed: list[list[int] | None], vocab_size: int) -> torch.Tensor:
+    """The bitmask [rows, ceil(V / 32)] int32 allowing each row's tokens (None: every token)."""
     words = torch.zeros(len(allowed), (vocab_size + 31) // 32, dtype=torch.int64)
     for row, tokens in enumerate(allowed):
-        for token in tokens:
+        for token in range(vocab_size) if tokens is None else tokens:
             words[row, token // 32] |= 1 << (token % 32)
     return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
 
@@ -299,11 +300,11 @@ def test_sample_batch_never_samples_a_masked_token():
     vocab = 100
     torch.manual_seed(0)
     logits = torch.randn(4, vocab) * 3
-    allowed = [[5, 31, 32, 63, 99], [0, 1]]  # word edges (bit 31 is the int32's sign)
+    allowed = [[5, 31, 32, 63, 99], None, [0, 1], None]  # word edges (bit 31 is the int32's sign)
     rows = [RowInputs(SamplingParams(temperature=2.0, presence_penalty=1.0), output_ids=[5]),
             RowInputs(SamplingParams()), RowInputs(SamplingParams(temperature=1.0, logprobs=3)),
             RowInputs(SamplingParams(logit_bias=((7, 100.0),)))]
-    mask = TokenMask([0, 2], _mask_of(allowed, vocab))
+    mask = TokenMask(_mask_of(allowed, vocab))
     generator = torch.Generator().manual_seed(1)
     seen: list[set[int]] = [set(), set()]
     for _ in range(200):
@@ -312,17 +313,62 @@ def test_sample_batch_never_samples_a_masked_token():
         seen[0].add(result.token_ids[0])
         seen[1].add(result.token_ids[2])
         assert result.token_ids[1] == logits[1].argmax().item() and result.token_ids[3] == 7
-        assert all(t in allowed[1] for t, _ in result.top_logprobs[2][:2])
+        assert all(t in allowed[2] for t, _ in result.top_logprobs[2][:2])
     assert seen[0] <= set(allowed[0]) and len(seen[0]) > 1
-    assert seen[1] <= set(allowed[1])
+    assert seen[1] <= set(allowed[2])
 
 
 def test_no_mask_means_no_work():
     logits = torch.randn(3, 40)
     assert apply_token_mask(logits, None) == (logits, None)  # the logits themselves: nothing copied or computed
-    assert apply_token_mask(logits, TokenMask([], torch.zeros(0, 2, dtype=torch.int32)))[0] is logits
     rows = [RowInputs(SamplingParams(temperature=1.0, seed=3))] * 3
-    every_token = TokenMask([0, 1, 2], _mask_of([list(range(40))] * 3, 40))
+    every_token = TokenMask(_mask_of([None] * 3, 40))
     plain = sample_batch(logits, rows, torch.Generator().manual_seed(2))
     masked = sample_batch(logits, rows, torch.Generator().manual_seed(2), mask=every_token)
     assert plain == masked
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (1, 33), (3, 100), (2, 151_936)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_apply_token_mask_matches_bit_by_bit_and_xgrammar(shape):
+    """Against a loop over every (row, token) bit and against xgrammar's own kernel: random words (every bit of
+    the int32, the sign included), V not a multiple of 32 (the last word's spare bits ignored)."""
+    import xgrammar
+
+    num_rows, vocab = shape
+    generator = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(num_rows, vocab, generator=generator)
+    words = torch.randint(-2 ** 31, 2 ** 31, (num_rows, (vocab + 31) // 32), dtype=torch.int32, generator=generator)
+    masked, disallowed = apply_token_mask(logits, TokenMask(words))
+    expected = logits.clone()
+    xgrammar.apply_token_bitmask_inplace(expected, words)
+    assert torch.equal(masked, expected) and torch.equal(disallowed, expected == float("-inf"))
+    if vocab <= 100:  # the loop: each bit read as Python reads an int32's bits (arithmetic shift)
+        for row in range(num_rows):
+            for token in range(vocab):
+                is_allowed = (int(words[row, token // 32]) >> (token % 32)) & 1
+                assert masked[row, token].item() == (logits[row, token].item() if is_allowed else float("-inf"))
+    with pytest.raises(ValueError, match="one row of ceil"):
+        apply_token_mask(logits, TokenMask(words[:, 1:]))
+
+
+def test_fill_reuses_one_buffer_and_leaves_unconstrained_rows_open(engine):
+    """`GuidedRequests.fill`: the constrained rows equal xgrammar's mask filled alone, the others all ones, in
+    whatever rows a step puts them; a step after a larger one reuses the buffer without its stale rows; a step
+    without constrained rows gets no mask."""
+    import xgrammar
+
+    guided = GuidedRequests(engine.grammars)
+    spec = GuidedSpec("json_schema", json.dumps(SCHEMAS["object_enum_bounds"]))
+    for request_id in (10, 11):
+        guided.add(request_id, spec, frozenset({0}))
+    alone = xgrammar.allocate_token_bitmask(1, engine.grammars.vocab_size)
+    xgrammar.GrammarMatcher(engine.grammars.get(spec), override_stop_tokens=[0]).fill_next_token_bitmask(alone)
+    assert not alone.eq(-1).all()  # a real constraint: the rows below tell constrained from open
+    assert guided.fill([1, 2]) is None
+    first = guided.fill([10, 1, 11]).bitmask  # [3, W]: the batched fill
+    assert torch.equal(first[0], alone[0]) and torch.equal(first[2], alone[0]) and first[1].eq(-1).all()
+    second = guided.fill([2, 11]).bitmask  # row 0 was constrained last step: open now
+    assert second.data_ptr() == first.data_ptr() and second.shape[0] == 2
+    assert second[0].eq(-1).all() and torch.equal(second[1], alone[0])
+    assert torch.equal(guided.fill([11]).bitmask, alone)  # one matcher alone
+    assert len(guided.fill([1, 2, 3, 4, 10]).bitmask) == 5  # more rows than the buffer had: a larger one

@@ -11,7 +11,15 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hybrid.sampling import RowInputs, SamplingParams, apply_penalties, apply_penalties_batch, sample, sample_batch
+from hybrid.sampling import (
+    RowInputs,
+    SamplingParams,
+    TokenMask,
+    apply_penalties,
+    apply_penalties_batch,
+    sample,
+    sample_batch,
+)
 
 # Probabilities chosen so each filter's cutoff lands next to a token with a large share: an off-by-one in any cutoff
 # moves a lot of mass. Sorted: 0.30 0.22 0.16 0.12 0.08 0.05 0.03 0.02 0.01 0.01; shuffled so order matters.
@@ -150,10 +158,12 @@ class _SyncingOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_one_device_to_host_transfer_per_call(monkeypatch):
-    """Every feature at once: penalties, greedy, shared and seeded draws, top-k/top-p/min-p and top logprobs; the
-    only way back to the host is the single packed `.tolist()`, and the way there never blocks (a blocking
-    host-to-device copy waits for the CUDA stream too): tensors are built on the host and moved non_blocking."""
+@pytest.mark.parametrize("is_masked", [False, True], ids=["plain", "grammar_mask"])
+def test_one_device_to_host_transfer_per_call(monkeypatch, is_masked):
+    """Every feature at once: penalties, greedy, shared and seeded draws, top-k/top-p/min-p and top logprobs, and
+    a grammar mask; the only way back to the host is the single packed `.tolist()`, and the way there never blocks
+    (a blocking host-to-device copy waits for the CUDA stream too): tensors are built on the host and moved
+    non_blocking."""
     calls = []
     for method in ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"):
         original = getattr(torch.Tensor, method)
@@ -169,26 +179,30 @@ def test_one_device_to_host_transfer_per_call(monkeypatch):
     rows = [RowInputs(p, torch.Generator().manual_seed(i) if i % 3 == 0 else None, PROMPT_IDS, OUTPUT_IDS)
             for i, p in enumerate(FILTERS + [SamplingParams(logprobs=0), SamplingParams(temperature=0.5, logprobs=5)])]
     logits = torch.randn(len(rows), 64)
+    mask = TokenMask(torch.full((len(rows), 2), -1, dtype=torch.int32)) if is_masked else None
     with _SyncingOps() as ops:
-        result = sample_batch(logits, rows, torch.Generator().manual_seed(0))
+        result = sample_batch(logits, rows, torch.Generator().manual_seed(0), mask=mask)
     assert calls == ["tolist"] and ops.seen == []
     assert (True, True) in moves and (True, False) not in moves
     assert len(result.token_ids) == len(rows) and math.isfinite(result.logprobs[-1])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_one_stream_sync_on_cuda():
-    """On the GPU itself: CUDA's sync debug mode warns once per synchronising call, and a call makes one."""
+@pytest.mark.parametrize("is_masked", [False, True], ids=["plain", "grammar_mask"])
+def test_one_stream_sync_on_cuda(is_masked):
+    """On the GPU itself: CUDA's sync debug mode warns once per synchronising call, and a call makes one, with a
+    grammar mask (in page-locked memory, as the engine fills it) too."""
     rows = [RowInputs(p, torch.Generator("cuda").manual_seed(i) if i % 3 == 0 else None, PROMPT_IDS, OUTPUT_IDS)
             for i, p in enumerate(FILTERS + [SamplingParams(logprobs=0), SamplingParams(temperature=0.5, logprobs=5)])]
     logits = torch.randn(len(rows), 64, device="cuda")
-    sample_batch(logits, rows)  # warm up: lazy initialisation may synchronise once
+    mask = TokenMask(torch.full((len(rows), 2), -1, dtype=torch.int32, pin_memory=True)) if is_masked else None
+    sample_batch(logits, rows, mask=mask)  # warm up: lazy initialisation may synchronise once
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("warn")
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            result = sample_batch(logits, rows)
+            result = sample_batch(logits, rows, mask=mask)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert len([w for w in caught if "synchroniz" in str(w.message)]) == 1, [str(w.message) for w in caught]
