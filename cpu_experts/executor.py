@@ -250,6 +250,12 @@ class AsyncExperts(_ExpertsBase):
     def _worker(self) -> None:
         pin_current_thread(self.worker_cpus)
         use_kernel_threads(self.num_threads)
+        # inference mode is per thread: buffers made under it (a tensor-parallel worker builds its graph runner
+        # inside `torch.inference_mode()`) take in-place writes only from a thread in it
+        with torch.inference_mode():
+            self._serve_jobs()
+
+    def _serve_jobs(self) -> None:
         while True:
             with self._wake:
                 self._wake.wait_for(lambda: self._job is not None or self._stop)

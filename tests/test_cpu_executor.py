@@ -287,3 +287,17 @@ def test_cuda_inputs_are_staged_before_compute(pin_memory):
             hidden_gpu, ids_gpu, weights_gpu = hidden_gpu + zero, ids_gpu + zero.long(), weights_gpu + zero
             ex.submit(step % 3, hidden_gpu, ids_gpu, weights_gpu)
             torch.testing.assert_close(ex.sync(), expected, rtol=0, atol=0)
+
+
+def test_worker_computes_into_buffers_made_in_inference_mode():
+    """A tensor-parallel worker builds its graph runner (and the buffers its CPU side writes) inside
+    `torch.inference_mode()`: the executor's thread computes in inference mode too, or an in-place write into such a
+    buffer fails there (the device's batch-16 capture at tp=2 failed so on rank 1)."""
+    compute = _reference_compute(_layer_weights(seed=5))
+    gen = torch.Generator().manual_seed(6)
+    hidden, ids, topk_weights = _inputs(3, gen)
+    expected = torch.empty(3, H)
+    compute(0, hidden, ids, topk_weights, expected)
+    with torch.inference_mode(), AsyncExperts(compute, MAX_T, H, K) as ex:  # the worker's serving loop: all of it
+        ex.submit(0, hidden, ids, topk_weights)
+        torch.testing.assert_close(ex.sync(), expected, rtol=0, atol=0)
