@@ -74,6 +74,9 @@ def parity(name: str, cfg, workdir: Path, sizes: list[int], variant: str = "", *
     if not path.exists():
         make_checkpoint(cfg, path, seed=1, dtype=torch.bfloat16)
     one = parity_run(path, 1, **options)
+    # decode graphs only where they can run: a float32 model with device experts on the PyTorch reference runs its
+    # steps eagerly on every rank (`ModelRunner.can_capture`); the float32 MLA variant did so on the 4-GPU host
+    needs_graphs = options.get("dtype", "bfloat16") == "bfloat16"
     rows = []
     for size in sizes:
         two = parity_run(path, size, **options)
@@ -85,7 +88,7 @@ def parity(name: str, cfg, workdir: Path, sizes: list[int], variant: str = "", *
         # bf16 sums in another order may flip a near-tie late in a sequence: the first tokens must agree, all of
         # them should (`tokens_equal`)
         ok = (error < LOGIT_TOLERANCE and [t[0] for t in one["tokens"]] == [t[0] for t in two["tokens"]]
-              and min(one["graph_replays"], two["graph_replays"]) > 0)
+              and (min(one["graph_replays"], two["graph_replays"]) > 0 or not needs_graphs))
         rows.append({"check": f"parity {name} {variant}".strip(), "tp": size, "ok": ok, "logit_rel_error": error,
                      "tokens_equal": one["tokens"] == two["tokens"], "same_tokens": f"{same}/{total}",
                      "graph_replays": [one["graph_replays"], two["graph_replays"]]})
