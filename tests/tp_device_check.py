@@ -120,6 +120,7 @@ def _all_reduce_worker(rank: int, world_size: int, port: int, sizes, out) -> Non
         if rank == 0:
             out.put({"check": "all_reduce bf16 (NCCL, in a CUDA graph)", "tp": world_size, "rows": rows,
                      "hidden": hidden, "us": (time.perf_counter() - start) / 500 * 1e6})
+        del graph  # a graph holding captured collectives makes the group's teardown hang (as `CudaGraphRunner.close`)
     dist.destroy_process_group()
 
 
