@@ -18,7 +18,6 @@ synthetic model gets a tokenizer of its vocabulary's size for it (`hybrid.synthe
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import tempfile
 import time
@@ -28,9 +27,9 @@ from pathlib import Path
 import torch
 
 from cpu_experts.bench import ReadBandwidth, last_level_cache_bytes
-from cpu_experts.decode_pool import DecodePool
 from cpu_experts.module import CpuExperts
 from cpu_experts.topology import allowed_cpus, use_kernel_threads
+from hybrid.bench_gpu_alone import cpu_experts_answer_at_once, decode_pool_of, print_profile, profile_decode
 from hybrid.bench_guided import attach_tokenizer, guided_spec
 from hybrid.cli_args import add_arguments, from_namespace
 from hybrid.engine import Engine
@@ -173,26 +172,6 @@ def _decode(engine: Engine, prompts: list[list[int]], new_tokens: int, timer: Cp
     return seconds, step_seconds, sum(len(r.output_ids) for r in finished) - len(ids)
 
 
-@contextlib.contextmanager
-def cpu_experts_answer_at_once(engine: Engine, llm: LLM):
-    """Inside: every CPU-experts call returns zeros at once (worker and decode pool), leaving the GPU's own work
-    and the hand-off."""
-    modules = [m for m in llm.model.modules() if isinstance(m, CpuExperts)]
-    saved = [m.compute for m in modules]
-    for m in modules:
-        m.compute = lambda hidden, ids, weights, out: out.zero_()
-    pool = _decode_pool(engine)
-    if pool is not None:
-        pool.skip_compute = True
-    try:
-        yield
-    finally:
-        for m, compute in zip(modules, saved, strict=True):
-            m.compute = compute
-        if pool is not None:
-            pool.skip_compute = False
-
-
 def gpu_only_step_seconds(engine: Engine, llm: LLM, prompts, new_tokens: int, timer: CpuExpertsTimer
                           ) -> float | None:
     """The decode step with the CPU experts answering at once (zeros): the GPU's own time plus the hand-off's;
@@ -203,48 +182,6 @@ def gpu_only_step_seconds(engine: Engine, llm: LLM, prompts, new_tokens: int, ti
     with cpu_experts_answer_at_once(engine, llm):
         seconds, step_seconds, _ = _decode(engine, prompts, new_tokens, timer)
     return seconds / max(len(step_seconds), 1)
-
-
-def profile_decode(engine: Engine, llm: LLM, args) -> list[tuple[str, float, float]]:
-    """torch.profiler over `args.profile` decode steps of the GPU-alone step (CPU experts answering at once; the
-    prompts' step runs before the profiler starts) -> (kernel or copy, launches per step, GPU microseconds per
-    step), most time first."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    vocab = llm.config.vocab_size
-    with cpu_experts_answer_at_once(engine, llm):
-        ids = [engine.add_request(torch.randint(vocab, (args.context,)).tolist(), DECODE_SAMPLING,
-                                  max_tokens=args.profile + 1, ignore_eos=True) for _ in range(args.batch)]
-        while not all(engine.requests[i].output_ids for i in ids):
-            engine.step()
-        torch.cuda.synchronize()
-        steps = 0
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            while engine.has_work():
-                engine.step()
-                steps += 1
-            torch.cuda.synchronize()
-        for i in ids:
-            engine.requests.pop(i)
-    rows = []
-    for event in prof.key_averages():
-        device_us = getattr(event, "self_device_time_total", 0)
-        if event.device_type == DeviceType.CUDA and device_us > 0:  # kernels and copies, graph nodes included
-            rows.append((event.key, event.count / max(steps, 1), device_us / max(steps, 1)))
-    return sorted(rows, key=lambda row: -row[2])
-
-
-def print_profile(rows: list[tuple[str, float, float]], num_layers: int, top: int = 30) -> None:
-    if not rows:
-        print("GPU-alone decode step by kernel: the profiler recorded no device activity")
-        return
-    launches, total_us = sum(r[1] for r in rows), sum(r[2] for r in rows)
-    print(f"GPU-alone decode step by kernel (torch.profiler, per step): {launches:.0f} launches, {total_us:.0f} us "
-          f"of kernel time ({launches / num_layers:.1f} launches, {total_us / num_layers:.1f} us per layer)")
-    print(f"{'us/step':>9} {'calls/step':>10}  kernel")
-    for name, calls, device_us in rows[:top]:
-        print(f"{device_us:9.1f} {calls:10.1f}  {name[:100]}")
 
 
 def deferral_kl(llm: LLM, num_tokens: int = 256) -> float | None:
@@ -306,7 +243,7 @@ def measure_guided(engine: Engine, llm: LLM, args, spec: GuidedSpec, timer: CpuE
 def _graph_serving(engine: Engine) -> tuple[float, float, int]:
     """Totals so far of graph steps' CPU side: seconds waiting for the GPU (worker and pool), and the pool's compute
     seconds and layers (the worker's compute goes through the modules, which `timer` counts)."""
-    runner, pool = engine.runner.graphs, _decode_pool(engine)
+    runner, pool = engine.runner.graphs, decode_pool_of(engine)
     waited = runner.worker.wait_seconds if runner is not None and runner.worker is not None else 0.0
     if pool is None:
         return waited, 0.0, 0
@@ -316,14 +253,10 @@ def _graph_serving(engine: Engine) -> tuple[float, float, int]:
 def _read_bandwidth(engine: Engine) -> ReadBandwidth:
     """The bound's read rate, read by the threads that read the experts: the decode pool's pinned ones where it
     serves (parked first, so they do not spin beside the reading ones), else numba's OpenMP team."""
-    pool = _decode_pool(engine)
+    pool = decode_pool_of(engine)
     if pool is not None:
         pool.park()
     return ReadBandwidth(max(8 * last_level_cache_bytes(), 1 << 30), pool.cpus if pool is not None else None)
-
-
-def _decode_pool(engine: Engine) -> DecodePool | None:
-    return engine.runner.graphs.pool if engine.runner.graphs is not None else None
 
 
 def _measure_prefill(engine: Engine, llm: LLM, args, timer: CpuExpertsTimer) -> dict:
@@ -400,7 +333,7 @@ def run(args) -> dict:
     guided = measure_guided(engine, llm, args, spec, timer) if spec is not None else {}
     read_bw = (read_before + bandwidth()) / 2  # the host's rate drifts: passes on both sides of the timing
     is_profiled = args.mode == "decode" and args.profile and config.is_cuda and llm.tp.size == 1
-    profile_rows = profile_decode(engine, llm, args) if is_profiled else None
+    profile_rows = profile_decode(engine, llm, args, DECODE_SAMPLING) if is_profiled else None
     engine.close()
     kl = deferral_kl(llm)
     llm.close()
@@ -421,7 +354,7 @@ def run(args) -> dict:
     # tensor parallel: the CPU experts' bytes and bandwidth are rank 0's (its slice of I, read by its CPUs)
     return {"mode": args.mode, "model": str(path), "device": config.device, "batch": args.batch, "context": context,
             "tensor_parallel_size": config.tensor_parallel_size,
-            "cuda_graph": engine.runner.graphs is not None, "decode_pool": _decode_pool(engine) is not None,
+            "cuda_graph": engine.runner.graphs is not None, "decode_pool": decode_pool_of(engine) is not None,
             "gpu_experts": llm.num_gpu_experts,
             "hot_expert_swaps": llm.hot_experts.num_swaps if llm.hot_experts is not None else None,
             "tokens_per_s": m["tokens"] / m["seconds"], "step_ms": step_s * 1e3, "steps": steps,
