@@ -33,6 +33,7 @@ from hybrid.models import load_model_config
 from hybrid.models.base import MoECausalLM
 from hybrid.parallel import check_tensor_parallel
 from hybrid.placement import ExpertPlacement, RoutingRecorder, RoutingStats, activation_bytes, auto_gpu_experts
+from hybrid.prefill_split import PrefillRates, measure_link
 from hybrid.rank_stats import RankCounters, RankStats, RankTable
 from hybrid.routed_experts import RoutedExperts, cpu_experts_factory
 from hybrid.sampling import NON_FINITE_LOGITS, SamplingParams
@@ -314,7 +315,16 @@ class LLM:
         return partial(cpu_experts_factory, handoff=self.cpu_handoff, placement=placement, rank=self.tp.rank,
                        int8_activations=cfg.expert_activations == "int8",
                        is_fused=uses_gemm_kernels(cfg.device, cfg.kernels, cfg.torch_dtype),
-                       min_streamed_tokens=self.gpu_prefill_tokens, device=cfg.device, num_spare_slots=num_spare)
+                       min_streamed_tokens=self.gpu_prefill_tokens, device=cfg.device, num_spare_slots=num_spare,
+                       prefill_cpu_share=cfg.cpu_share, prefill_rates=self._prefill_rates())
+
+    def _prefill_rates(self) -> PrefillRates:
+        """The rates a streamed step's split is balanced on (`hybrid.prefill_split`): the link's measured here, once,
+        where the split is "auto" and steps stream; the others from settings."""
+        cfg = self.engine_config
+        if not self.gpu_prefill_tokens or cfg.cpu_share is not None:
+            return PrefillRates()
+        return PrefillRates(link_bytes_per_s=measure_link(cfg.device))
 
     def attach_engine(self, engine) -> None:
         """`Engine.__init__` calls this: the newest engine over the model is the one `generate` runs through (one

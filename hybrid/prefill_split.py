@@ -1,0 +1,85 @@
+"""Which of a streamed prefill step's CPU-resident experts the CPU computes instead (`hybrid.streaming`).
+
+A streamed step copies an expert's weights over PCIe whatever its token count, while the CPU operator's time grows
+with the tokens: an expert routed few tokens costs the CPU less than its copy. So per MoE layer, after routing, the
+experts the step routes to (less the GPU-resident ones) split into a CPU set, computed by the CPU operator on the
+executor's thread while the GPU works, and a streamed set, copied and computed on the GPU; the outputs add up.
+
+`plan_cpu_experts` orders the routed experts by tokens (fewest first; ties by id) and gives the CPU the prefix that
+makes both sides finish together: the k minimizing max(CPU seconds of the first k, streaming seconds of the rest),
+costed from `PrefillRates` (the one place the rates live: the link measured at start-up, the CPU's and the GPU's
+from settings). A fixed share (`EngineConfig.prefill_cpu_share`, tests and benchmarks) gives the CPU that fraction
+of the routed experts, fewest tokens first: 0 streams them all (the ring of `hybrid.streaming`, no host sync), 1
+computes them all on the CPU.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+# The H200 host: the CPU operator's int8 AMX prefill ran 2.2-2.6 TFLOP/s (docs/benchmarks.md) reading the weights
+# at ~100 GB/s; PCIe 5 from page-locked memory ~54 GB/s; the GPU's bf16 fused MoE a fraction of its peak at these
+# sizes.
+CPU_FLOPS = 2.2e12
+CPU_READ_BYTES_PER_S = 100e9
+LINK_BYTES_PER_S = 54e9
+GPU_FLOPS = 200e12
+
+
+@dataclass(frozen=True)
+class PrefillRates:
+    """Rates the split is costed from: FLOP/s and bytes/s (module docstring)."""
+
+    cpu_flops: float = CPU_FLOPS
+    cpu_read_bytes_per_s: float = CPU_READ_BYTES_PER_S
+    link_bytes_per_s: float = LINK_BYTES_PER_S
+    gpu_flops: float = GPU_FLOPS
+
+    def __post_init__(self):
+        for name in ("cpu_flops", "cpu_read_bytes_per_s", "link_bytes_per_s", "gpu_flops"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"PrefillRates.{name} must be > 0, got {getattr(self, name)}")
+
+    def cpu_seconds(self, tokens: np.ndarray, flops_per_token: int, expert_bytes: int) -> np.ndarray:
+        """Per expert: its tokens' FLOPs at the CPU's rate plus one read of its weights."""
+        return tokens * flops_per_token / self.cpu_flops + expert_bytes / self.cpu_read_bytes_per_s
+
+    def stream_seconds(self, tokens: np.ndarray, flops_per_token: int, expert_bytes: int) -> np.ndarray:
+        """Per expert: its stored bytes over the link plus its tokens' FLOPs on the GPU."""
+        return expert_bytes / self.link_bytes_per_s + tokens * flops_per_token / self.gpu_flops
+
+
+def plan_cpu_experts(tokens: np.ndarray, flops_per_token: int, expert_bytes: int, rates: PrefillRates,
+                     share: float | None = None) -> np.ndarray:
+    """tokens [E] (the step's tokens per expert, 0: not routed or not this module's) -> the ids the CPU computes,
+    sorted; the other routed ones are streamed. `share` None: balanced on `rates`; else that fraction of the routed
+    experts (rounded half to even), fewest tokens first."""
+    tokens = np.asarray(tokens, dtype=np.int64)
+    routed = np.flatnonzero(tokens > 0)
+    order = routed[np.lexsort((routed, tokens[routed]))]  # fewest tokens first, ties by id
+    if share is not None:
+        return np.sort(order[:round(share * len(order))])
+    counts = tokens[order]
+    cpu = np.concatenate([[0.0], np.cumsum(rates.cpu_seconds(counts, flops_per_token, expert_bytes))])
+    streamed = rates.stream_seconds(counts, flops_per_token, expert_bytes)
+    rest = np.concatenate([np.cumsum(streamed[::-1])[::-1], [0.0]])  # rest[k]: the experts after the first k
+    num_cpu = int(np.argmin(np.maximum(cpu, rest)))  # the first minimum: fewer on the CPU when tied
+    return np.sort(order[:num_cpu])
+
+
+def measure_link(device: torch.device | str, nbytes: int = 64 << 20) -> float:
+    """Host-to-device bytes/s from page-locked memory (the faster of 3 copies, after a first): a few ms at start-up."""
+    host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    target = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    best = float("inf")
+    for _ in range(4):
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        target.copy_(host, non_blocking=True)
+        torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best
