@@ -21,6 +21,9 @@ Pieces:
   bias with partition 0's); the units' outputs add up in float32. Smaller steps (decode) and graph steps go to the CPU.
   The activations stay in the model's dtype (the CPU path's int8 activation rounding does not apply). Layers whose
   weights could not be page-locked stay on the CPU.
+- The split (`hybrid.prefill_split`, `StreamedPrefill.split`): unless `cpu_share` is 0, the step's experts with
+  the fewest tokens go to the CPU operator instead and only the others' weights cross, packed in a slot
+  (`ExpertStream.acquire_rows`, copied once the layer's routing is known, nothing ahead).
 """
 
 from __future__ import annotations
