@@ -171,3 +171,23 @@ def test_prefill_logits_at_every_split_match_the_all_cpu_path(tmp_path_factory):
         llm.close()
         error = float((got - want).norm() / want.norm())
         assert error == 0 if share == 1 else error < 5e-2, f"share {share}: relative error {error:.2e}"
+
+
+@torch.no_grad()
+def test_a_slot_that_held_packed_experts_is_copied_again_for_the_ring():
+    """A layer of two units (one a partition) fits the ring's two slots, which keep them between steps; a split step
+    packs its streamed experts (3, 4 and 6: over the slots' first rows) into those slots, so the next all-streamed
+    step must copy its units again."""
+    from hybrid.streaming import StreamedPrefill
+
+    module = split_layer(0.0, 0)
+    streamed = StreamedPrefill(module.cpu_experts, 1, DEVICE)
+    stream = ExpertStream(DEVICE)
+    assert streamed.attach(stream, chunk_bytes=1 << 20, pin=False) > 0 and len(stream.units) == 2
+    hidden, ids, weights = routed()
+    cpu_ids = module._split(ids)[1]
+    ring = streamed.compute_on_gpu(hidden, cpu_ids, weights)
+    some = torch.where((cpu_ids == 3) | (cpu_ids == 4) | (cpu_ids == 6), cpu_ids, -1)
+    packed = streamed.compute_on_gpu(hidden, some, weights, experts=np.array([3, 4, 6]))
+    assert close(packed, module.cpu_experts.op(hidden, some, weights))
+    torch.testing.assert_close(streamed.compute_on_gpu(hidden, cpu_ids, weights), ring, atol=0, rtol=0)
