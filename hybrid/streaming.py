@@ -201,6 +201,7 @@ class StreamedPrefill:
         self.min_tokens = min_tokens
         self.cpu_share = cpu_share
         self.rates = rates if rates is not None else PrefillRates()
+        self.num_split_experts = [0, 0]  # over the split steps so far: routed experts on the CPU, streamed (metrics)
         self.device = torch.device(device)
         self.stream: ExpertStream | None = None
         self.units = range(0)
@@ -246,6 +247,8 @@ class StreamedPrefill:
         flops_per_token = 2 * 3 * layer.spec.hidden_size * sum(p.size for p in layer.partitions)
         on_cpu = plan_cpu_experts(counts, flops_per_token, layer.expert_bytes(), self.rates, self.cpu_share)
         streamed = np.setdiff1d(np.flatnonzero(counts), on_cpu)
+        self.num_split_experts[0] += on_cpu.size
+        self.num_split_experts[1] += streamed.size
         is_cpu = torch.zeros(num_experts + 1, dtype=torch.bool)  # index E: the -1 ids
         is_cpu[torch.from_numpy(on_cpu)] = True
         mask = is_cpu.to(ids.device)[torch.where(ids >= 0, ids, num_experts)]

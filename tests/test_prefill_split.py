@@ -130,6 +130,7 @@ def test_every_split_gives_the_all_cpu_layer(share, is_gpt_oss):
             sorted(streamed_set)
         counts = torch.bincount(ids[ids >= 0], minlength=E)
         assert max(counts[list(cpu_set)]) <= min(counts[list(streamed_set)])
+        assert module.streamed.num_split_experts == [2, 3]
     got = module(hidden, ids, weights)
     assert close(got, want)
     if share == 1:  # the CPU operator itself, nothing streamed
