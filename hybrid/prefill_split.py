@@ -21,10 +21,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-# The H200 host: the CPU operator's int8 AMX prefill ran 2.2-2.6 TFLOP/s (docs/benchmarks.md) reading the weights
-# at ~100 GB/s; PCIe 5 from page-locked memory ~54 GB/s; the GPU's bf16 fused MoE a fraction of its peak at these
-# sizes.
-CPU_FLOPS = 2.2e12
+# The H200 host: a Qwen3-30B-A3B layer (604 MB of int8 experts, 9.4 MFLOP a routed token) took the CPU operator
+# 9, 15 and 18 ms for 128, 256 and 512 tokens (hybrid.streaming): about 6 ms to read the weights (~100 GB/s) plus
+# the FLOPs at ~3.2 TFLOP/s (AMX, int8 activations); PCIe 5 from page-locked memory ~54 GB/s; the GPU's bf16 fused
+# MoE a fraction of its peak at these sizes.
+CPU_FLOPS = 3.2e12
 CPU_READ_BYTES_PER_S = 100e9
 LINK_BYTES_PER_S = 54e9
 GPU_FLOPS = 200e12
