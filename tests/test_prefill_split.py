@@ -75,7 +75,8 @@ def test_prefill_cpu_share_is_a_fraction_or_auto():
         assert from_namespace(EngineConfig, parser.parse_args(["--prefill-cpu-share", text])).cpu_share == want
 
 
-def split_layer(share: float | None, min_tokens: int, is_gpt_oss: bool = False, seed: int = 0):
+def split_layer(share: float | None, min_tokens: int, is_gpt_oss: bool = False, seed: int = 0, dtype: str = "int8",
+                group_size: int = 0):
     """A MoE layer: expert 2 GPU-resident (here: this CPU), the others int8 on the CPU operator (float activations,
     exact to the stored weights) in two partitions; `min_tokens` > 0: steps that long stream them in units of 3
     experts (partition 0: [0, 3), [3, 6), [6, 7)) but for `share` of them."""
@@ -91,7 +92,7 @@ def split_layer(share: float | None, min_tokens: int, is_gpt_oss: bool = False, 
     config = types.SimpleNamespace(moe=moe, hidden_size=H)
     module = cpu_experts_factory(0, config, CpuHandoff(), ExpertPlacement({0: (2,)}), int8_activations=False,
                                  min_streamed_tokens=min_tokens, device=DEVICE, prefill_cpu_share=share)
-    module.cpu_experts.load(PackedLayer.from_float(gate, up, down, "int8", 0, num_partitions=2, **extra))
+    module.cpu_experts.load(PackedLayer.from_float(gate, up, down, dtype, group_size, num_partitions=2, **extra))
     for name, stacked in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
         getattr(module, name).data[0] = stacked[2]
     if min_tokens:
@@ -137,6 +138,15 @@ def test_every_split_gives_the_all_cpu_layer(share, is_gpt_oss):
         assert torch.equal(got, want)
     if share == 0.5:  # other weights split alike: far off, so the check can fail
         assert not close(split_layer(share, 1, is_gpt_oss, seed=5)(hidden, ids, weights), want)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("dtype,group_size", [("int8", 32), ("int4", 32), ("bf16", 0)])
+def test_other_formats_split_alike(dtype, group_size):
+    """Grouped int8 scales, packed int4 codes and bf16 experts: each role packs its experts' rows alike."""
+    hidden, ids, weights = routed()
+    want = split_layer(0.5, 0, dtype=dtype, group_size=group_size)(hidden, ids, weights)
+    assert close(split_layer(0.5, 1, dtype=dtype, group_size=group_size)(hidden, ids, weights), want)
 
 
 @torch.no_grad()
