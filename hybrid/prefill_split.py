@@ -7,19 +7,22 @@ executor's thread while the GPU works, and a streamed set, copied and computed o
 
 `plan_cpu_experts` orders the routed experts by tokens (fewest first; ties by id) and gives the CPU the prefix that
 makes both sides finish together: the k minimizing max(CPU seconds of the first k, streaming seconds of the rest),
-costed from `PrefillRates` (the one place the rates live: the link measured at start-up, the CPU's and the GPU's
-from settings). A fixed share (`EngineConfig.prefill_cpu_share`, tests and benchmarks) gives the CPU that fraction
-of the routed experts, fewest tokens first: 0 streams them all (the ring of `hybrid.streaming`, no host sync), 1
-computes them all on the CPU.
+costed from `PrefillRates` (the one place the rates live: the link's and the CPU operator's measured after loading,
+`measure_link` and `measure_cpu`, the GPU's from settings). A fixed share (`EngineConfig.prefill_cpu_share`, tests
+and benchmarks) gives the CPU that fraction of the routed experts, fewest tokens first: 0 streams them all (the ring
+of `hybrid.streaming`, no host sync), 1 computes them all on the CPU.
 """
 
 from __future__ import annotations
 
+import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
+
+from cpu_experts.module import CpuExperts
 
 # The H200 host: a Qwen3-30B-A3B layer (604 MB of int8 experts, 9.4 MFLOP a routed token) took the CPU operator
 # 9, 15 and 18 ms for 128, 256 and 512 tokens (hybrid.streaming): about 6 ms to read the weights (~100 GB/s) plus
@@ -84,3 +87,32 @@ def measure_link(device: torch.device | str, nbytes: int = 64 << 20) -> float:
         torch.cuda.synchronize(device)
         best = min(best, time.perf_counter() - start)
     return nbytes / best
+
+
+def measure_cpu(cpu: CpuExperts, top_k: int, rates: PrefillRates) -> PrefillRates:
+    """`rates` with the CPU's FLOP/s and weight-read rate fitted from two calls of a loaded layer's operator (after
+    one that compiles its kernels): every expert routed 4, then 32 tokens a token-expert pair each (T x K pairs,
+    K consecutive experts a token), t = pairs x FLOPs / cpu_flops + layer bytes / cpu_read_bytes_per_s. Tens of
+    milliseconds for a Qwen3-30B-A3B layer; a fit that is not positive (noise on a tiny layer) keeps `rates`."""
+    layer = cpu.op.layer
+    num_experts, hidden_size = layer.spec.num_experts, layer.spec.hidden_size
+    flops_per_pair = 2 * 3 * hidden_size * sum(p.size for p in layer.partitions)
+
+    def seconds(tokens_per_expert: int) -> tuple[int, float]:
+        num_tokens = max(1, tokens_per_expert * num_experts // top_k)
+        ids = (torch.arange(num_tokens * top_k) % num_experts).view(num_tokens, top_k)  # [T, K], distinct a row
+        hidden = torch.randn(num_tokens, hidden_size, generator=torch.Generator().manual_seed(0))
+        weights = torch.full((num_tokens, top_k), 1 / top_k)
+        start = time.perf_counter()
+        cpu(hidden, ids, weights)
+        return num_tokens * top_k, time.perf_counter() - start
+
+    seconds(4)  # compiles
+    (few, few_s), (many, many_s) = seconds(4), seconds(32)
+    if not many_s > few_s:
+        return rates
+    flops = (many - few) * flops_per_pair / (many_s - few_s)
+    read_s = few_s - few * flops_per_pair / flops
+    if not (math.isfinite(flops) and read_s > 0):
+        return rates
+    return replace(rates, cpu_flops=flops, cpu_read_bytes_per_s=layer.nbytes / read_s)

@@ -26,7 +26,6 @@ from cpu_experts.module import CpuExperts
 from hybrid.cpu_handoff import CpuHandoff, StepMode
 from hybrid.layers.moe import TritonExperts, fused_expert_targets
 from hybrid.placement import ExpertPlacement
-from hybrid.prefill_split import PrefillRates
 from hybrid.streaming import StreamedPrefill
 
 OTHER_RANK = -2  # `local_slot` of an expert on another tensor-parallel rank's GPU
@@ -194,11 +193,10 @@ def device_experts_factory(layer_idx: int, config, is_fused: bool = False) -> Ro
 def cpu_experts_factory(layer_idx: int, config, handoff: CpuHandoff, placement: ExpertPlacement | None = None,
                         int8_activations: bool = True, is_fused: bool = False, min_streamed_tokens: int = 0,
                         device: torch.device | str = "cpu", rank: int = 0, num_spare_slots: int = 0,
-                        prefill_cpu_share: float | None = 0.0, prefill_rates: PrefillRates | None = None,
-                        ) -> RoutedExperts:
+                        prefill_cpu_share: float | None = 0.0) -> RoutedExperts:
     """The CPU operator for the layer's experts, less those `placement` keeps on the GPUs (rank `rank`'s on its
     own); `min_streamed_tokens` > 0: eager steps of that many tokens stream the CPU experts' weights to `device`
-    instead (`hybrid.streaming`), but for `prefill_cpu_share` of them (None: balanced on `prefill_rates`,
+    instead (`hybrid.streaming`), but for `prefill_cpu_share` of them (None: balanced on the rates `LLM` measures,
     `hybrid.prefill_split`); `num_spare_slots`: free GPU slots that hot experts copy into (`hybrid.hot_experts`).
     The CPU operator is loaded later, with the rank's slice of I (every expert of it, resident or not)."""
     gpu_ids = placement.on_rank(layer_idx, rank) if placement is not None else ()
@@ -209,8 +207,7 @@ def cpu_experts_factory(layer_idx: int, config, handoff: CpuHandoff, placement: 
             return device_experts_factory(layer_idx, config, is_fused)
         return RoutedExperts(layer_idx, config, gpu_ids, is_fused=is_fused, other_rank_expert_ids=others)
     cpu = CpuExperts(layer_idx, int8_activations=int8_activations)
-    streamed = StreamedPrefill(cpu, min_streamed_tokens, device, prefill_cpu_share, prefill_rates) \
-        if min_streamed_tokens else None
+    streamed = StreamedPrefill(cpu, min_streamed_tokens, device, prefill_cpu_share) if min_streamed_tokens else None
     return RoutedExperts(layer_idx, config, gpu_ids, cpu, handoff, is_fused, streamed, others, num_spare_slots)
 
 

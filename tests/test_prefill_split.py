@@ -21,7 +21,7 @@ from hybrid.cpu_handoff import CpuHandoff
 from hybrid.engine_config import EngineConfig
 from hybrid.errors import ConfigError
 from hybrid.placement import ExpertPlacement
-from hybrid.prefill_split import PrefillRates, plan_cpu_experts
+from hybrid.prefill_split import LINK_BYTES_PER_S, PrefillRates, plan_cpu_experts
 from hybrid.routed_experts import cpu_experts_factory
 from hybrid.streaming import ExpertStream
 
@@ -202,3 +202,39 @@ def test_a_slot_that_held_packed_experts_is_copied_again_for_the_ring():
     packed = streamed.compute_on_gpu(hidden, some, weights, experts=np.array([3, 4, 6]))
     assert close(packed, module.cpu_experts.op(hidden, some, weights))
     torch.testing.assert_close(streamed.compute_on_gpu(hidden, cpu_ids, weights), ring, atol=0, rtol=0)
+
+
+def test_the_cpu_rates_are_fitted_from_two_calls(monkeypatch):
+    """A stand-in operator taking pairs x FLOPs / 3e12 + bytes / 80e9 seconds on a clock of its own: the fit finds
+    both rates; a call whose time does not grow with the tokens (noise) keeps the rates given."""
+    from hybrid import prefill_split
+
+    spec = types.SimpleNamespace(num_experts=128, hidden_size=2048)
+    layer = types.SimpleNamespace(spec=spec, partitions=[types.SimpleNamespace(size=768)], nbytes=604_000_000)
+    clock = [0.0]
+
+    class Operator:
+        op = types.SimpleNamespace(layer=layer)
+        is_flat = False
+
+        def __call__(self, hidden, ids, weights):
+            assert ids.shape == (hidden.shape[0], 8) and (ids.sort(dim=1).values.diff(dim=1) > 0).all()
+            pairs = 0 if self.is_flat else ids.numel()
+            clock[0] += pairs * 6 * 2048 * 768 / 3e12 + layer.nbytes / 80e9
+
+    monkeypatch.setattr(prefill_split.time, "perf_counter", lambda: clock[0])
+    rates = prefill_split.measure_cpu(Operator(), 8, PrefillRates())
+    assert rates.cpu_flops == pytest.approx(3e12) and rates.cpu_read_bytes_per_s == pytest.approx(80e9)
+    assert rates.link_bytes_per_s == PrefillRates().link_bytes_per_s
+    flat = Operator()
+    flat.is_flat = True
+    assert prefill_split.measure_cpu(flat, 8, UNIT_RATES) == UNIT_RATES
+
+
+def test_the_cpu_rates_of_a_real_operator_are_rates():
+    """The real operator's calls (int8 experts of the tiny layer): whatever the noise, valid positive rates."""
+    from hybrid.prefill_split import measure_cpu
+
+    with torch.inference_mode():
+        rates = measure_cpu(split_layer(0.0, 0).cpu_experts, K, PrefillRates())
+    assert rates.cpu_flops > 0 and rates.cpu_read_bytes_per_s > 0 and rates.link_bytes_per_s == LINK_BYTES_PER_S
