@@ -176,8 +176,8 @@ class RoutedExperts(TritonExperts):
             raise RuntimeError(f"layer {self.layer_idx}: collect() without a pending submit()")
         (has_cpu, gpu_out), self._pending = self._pending, None
         cpu_out = self.handoff.collect(like) if has_cpu else None
-        if cpu_out is None:
-            return gpu_out
+        if cpu_out is None:  # neither side when a split step's tokens route to none of this rank's experts
+            return gpu_out if gpu_out is not None else torch.zeros_like(like)
         return cpu_out if gpu_out is None else cpu_out + gpu_out
 
     def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:

@@ -76,7 +76,7 @@ def test_prefill_cpu_share_is_a_fraction_or_auto():
 
 
 def split_layer(share: float | None, min_tokens: int, is_gpt_oss: bool = False, seed: int = 0, dtype: str = "int8",
-                group_size: int = 0):
+                group_size: int = 0, gpu_ids: tuple[int, ...] = (2,)):
     """A MoE layer: expert 2 GPU-resident (here: this CPU), the others int8 on the CPU operator (float activations,
     exact to the stored weights) in two partitions; `min_tokens` > 0: steps that long stream them in units of 3
     experts (partition 0: [0, 3), [3, 6), [6, 7)) but for `share` of them."""
@@ -90,11 +90,13 @@ def split_layer(share: float | None, min_tokens: int, is_gpt_oss: bool = False, 
     moe = types.SimpleNamespace(num_experts=E, intermediate_size=INTER,
                                 expert_proj_names=("gate_proj", "up_proj", "down_proj"))
     config = types.SimpleNamespace(moe=moe, hidden_size=H)
-    module = cpu_experts_factory(0, config, CpuHandoff(), ExpertPlacement({0: (2,)}), int8_activations=False,
+    placement = ExpertPlacement({0: gpu_ids}) if gpu_ids else None
+    module = cpu_experts_factory(0, config, CpuHandoff(), placement, int8_activations=False,
                                  min_streamed_tokens=min_tokens, device=DEVICE, prefill_cpu_share=share)
     module.cpu_experts.load(PackedLayer.from_float(gate, up, down, dtype, group_size, num_partitions=2, **extra))
-    for name, stacked in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
-        getattr(module, name).data[0] = stacked[2]
+    for slot, expert in enumerate(gpu_ids):
+        for name, stacked in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
+            getattr(module, name).data[slot] = stacked[expert]
     if min_tokens:
         layer = module.cpu_experts.op.layer
         assert module.streamed.attach(ExpertStream(DEVICE), chunk_bytes=3 * layer.expert_bytes(), pin=False) > 0
@@ -150,6 +152,22 @@ def test_other_formats_split_alike(dtype, group_size):
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("share", [0.5, None])
+def test_a_split_step_routed_to_no_cpu_resident_expert(share):
+    """Every token on the GPU-resident expert 2 (or, with no GPU-resident experts, routed nowhere here): nothing
+    for either side of the split, the layer's output all the same."""
+    hidden, ids, weights = routed()
+    ids[:, 0], ids[:, 1] = 2, -1
+    for gpu_ids in ((2,), ()):
+        module = split_layer(share, 1, gpu_ids=gpu_ids)
+        if not gpu_ids:
+            ids[:, 0] = -1
+        assert module.streamed.split(module._split(ids)[1])[:2] == (None, None)
+        torch.testing.assert_close(module(hidden, ids, weights), split_layer(share, 0, gpu_ids=gpu_ids)(
+            hidden, ids, weights), atol=0, rtol=0)
+
+
+@torch.no_grad()
 def test_the_packed_experts_give_the_ring_s_output():
     """All routed experts packed (only those copied, a gap at 5 and the GPU-resident 2) against the whole units
     through the ring: the same tables, the same kernel, the same sums."""
@@ -163,7 +181,7 @@ def test_the_packed_experts_give_the_ring_s_output():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the engine streams experts on CUDA only")
 def test_prefill_logits_at_every_split_match_the_all_cpu_path(tmp_path_factory):
-    """A tiny Qwen3-MoE converted to int8, prefilled with every split: the CPU operator's logits bit for bit at
+    """A tiny Qwen3-MoE converted to int8, prefilled with every split: the CPU operator's logits to float rounding at
     share 1, within bf16 rounding otherwise (every streamed expert computes on bf16 tables and activations)."""
     from convert.cli import main
 
@@ -181,7 +199,7 @@ def test_prefill_logits_at_every_split_match_the_all_cpu_path(tmp_path_factory):
         got = llm.prefill_logits(ids)
         llm.close()
         error = float((got - want).norm() / want.norm())
-        assert error == 0 if share == 1 else error < 5e-2, f"share {share}: relative error {error:.2e}"
+        assert error < (1e-6 if share == 1 else 5e-2), f"share {share}: relative error {error:.2e}"
 
 
 @torch.no_grad()
