@@ -80,8 +80,9 @@ class EngineConfig:
         "steps of at least this many tokens compute CPU-resident experts on the GPU, streaming their int8/int4/bf16 "
         "weights over PCIe (CUDA only; 0: never; 'auto': 16 x experts / top-k tokens)"))
     # `hybrid.prefill_split`: a streamed step's experts with the fewest tokens stay on the CPU, computed while the
-    # others stream; "auto" balances the two sides on the link's and the CPU's rates measured at start-up
-    prefill_cpu_share: float | str = field(default="auto", metadata=_help(
+    # others stream; "auto" balances the two sides on the link's and the CPU's rates measured at start-up. Default 0
+    # (stream all, the path measured on the device) until the split has run on a GPU
+    prefill_cpu_share: float | str = field(default=0.0, metadata=_help(
         "streamed prefill steps: the fraction of routed CPU-resident experts (fewest tokens first) the CPU computes "
         "while the rest stream to the GPU (0: stream all; 1: none; 'auto': both sides finish together)"))
     gpu_memory_utilization: float = field(default=0.9, metadata=_help(

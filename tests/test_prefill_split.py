@@ -63,7 +63,9 @@ def test_a_fixed_share_gives_the_cpu_that_fraction_fewest_tokens_first(share, wa
 
 
 def test_prefill_cpu_share_is_a_fraction_or_auto():
-    assert EngineConfig().cpu_share is None and EngineConfig(prefill_cpu_share=0.25).cpu_share == 0.25
+    assert EngineConfig().cpu_share == 0.0  # stream all, until the split has been measured on a GPU
+    assert EngineConfig(prefill_cpu_share="auto").cpu_share is None
+    assert EngineConfig(prefill_cpu_share=0.25).cpu_share == 0.25
     for bad in (-0.1, 1.5, "half"):
         with pytest.raises(ConfigError, match="prefill_cpu_share"):
             EngineConfig(prefill_cpu_share=bad)
