@@ -112,6 +112,10 @@ class LLM:
                 check_hot_experts(cfg.hot_experts_interval, cfg.hot_experts_swaps, self.num_gpu_experts,
                                   moe.num_experts)
             make_experts = self._cpu_experts_factory(self.num_gpu_experts)
+        elif cfg.hot_experts_interval:  # nothing to move: every expert is on the device already
+            raise ConfigError(f"hot_experts_interval {cfg.hot_experts_interval} moves experts between the CPU and the "
+                              f"GPU, and this model has no CPU experts (expert_placement {cfg.expert_placement}): "
+                              "set hot_experts_interval 0")
         if cfg.defer_experts >= self.config.moe.top_k:
             raise ConfigError(f"defer_experts {cfg.defer_experts} must be below the model's top-k routing "
                               f"({self.config.moe.top_k})")

@@ -82,6 +82,8 @@ def test_config_refuses_hot_experts_without_spare_slots(converted):
         LLM(converted, gpu_experts=1, hot_experts_interval=4, **ARGS)
     with pytest.raises(ConfigError, match="hot_experts_interval must be >= 0"):
         LLM(converted, hot_experts_interval=-1, **ARGS)
+    with pytest.raises(ConfigError, match="no CPU experts .expert_placement device.: set hot_experts_interval 0"):
+        LLM(converted.parent / "src", expert_placement="device", hot_experts_interval=4, **ARGS)
     from hybrid.engine_config import EngineConfig
     from hybrid.parallel import check_tensor_parallel
 
