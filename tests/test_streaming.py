@@ -9,10 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 from checkpoints import SEEDS, VARIANTS, kimi_k2_config, make_checkpoint, prompt
+from experts_support import random_experts
 from gpu_support import DEVICE, poisoned
 
 from cpu_experts import formats
-from cpu_experts.expert_file import SWIGLU_OAI, ExpertLayerSpec
+from cpu_experts.expert_file import ExpertLayerSpec
 from cpu_experts.module import CpuExperts
 from cpu_experts.packed import PackedLayer
 from gpu_layers.dequant import dequantize_int4, dequantize_int4_reference, dequantize_int8, dequantize_int8_reference
@@ -40,15 +41,8 @@ def cpu_layer(seed: int, dtype: str, group_size: int, num_experts=7, hidden_size
     """A CpuExperts over random experts in two partitions, computing in float (exact to the stored weights);
     `is_gpt_oss`: gpt-oss's clamped activation with random biases, gate/up large enough to reach the clamp;
     `rank` of `num_ranks`: that tensor-parallel rank's slice of I."""
-    g = torch.Generator().manual_seed(seed)
-    gain = 1.5 if is_gpt_oss else 1 / 8
-    gate, up = (torch.randn(num_experts, inter, hidden_size, generator=g) * gain for _ in range(2))
-    down = torch.randn(num_experts, hidden_size, inter, generator=g) / 8
-    extra = {}
-    if is_gpt_oss:
-        extra = dict(activation=SWIGLU_OAI, biases=(torch.randn(num_experts, inter, generator=g),
-                                                    torch.randn(num_experts, inter, generator=g),
-                                                    torch.randn(num_experts, hidden_size, generator=g)))
+    gate, up, down, extra = random_experts(torch.Generator().manual_seed(seed), num_experts, hidden_size, inter,
+                                           is_gpt_oss)
     module = CpuExperts(0, int8_activations=False)
     module.load(PackedLayer.from_float(gate, up, down, dtype, group_size, num_partitions=2, rank=rank,
                                        num_ranks=num_ranks, **extra))
