@@ -39,7 +39,7 @@ from cpu_experts.packed import PackedLayer
 from gpu_layers.dequant import dequantize_int4, dequantize_int8
 from gpu_layers.fused_moe import Activation, fused_moe
 from hybrid.engine_config import EngineConfig
-from hybrid.prefill_split import PrefillRates, plan_cpu_experts
+from hybrid.prefill_split import PrefillRates, flops_per_pair, plan_cpu_experts
 
 STREAMED_DTYPES = ("int8", "int4", "bf16")
 # gpu_prefill_tokens="auto": stream a step's experts once each gets this many of its tokens on average. On the H200
@@ -241,11 +241,10 @@ class StreamedPrefill:
         if self.cpu_share == 1:
             return topk_ids, None, None
         ids = topk_ids.long()
-        num_experts = self.cpu_experts.op.layer.spec.num_experts
-        counts = torch.bincount(ids[ids >= 0], minlength=num_experts).cpu().numpy()
         layer = self.cpu_experts.op.layer
-        flops_per_token = 2 * 3 * layer.spec.hidden_size * sum(p.size for p in layer.partitions)
-        on_cpu = plan_cpu_experts(counts, flops_per_token, layer.expert_bytes(), self.rates, self.cpu_share)
+        num_experts = layer.spec.num_experts
+        counts = torch.bincount(ids[ids >= 0], minlength=num_experts).cpu().numpy()
+        on_cpu = plan_cpu_experts(counts, flops_per_pair(layer), layer.expert_bytes(), self.rates, self.cpu_share)
         streamed = np.setdiff1d(np.flatnonzero(counts), on_cpu)
         self.num_split_experts[0] += on_cpu.size
         self.num_split_experts[1] += streamed.size
