@@ -209,7 +209,8 @@ class Workers:
         if self._is_stopping:
             return
         self._read_reports()  # a failed worker reports before it exits
-        gone = [rank for rank, p in enumerate(self.processes, start=1) if not p.is_alive()] or ["?"]
+        # by sentinel, not is_alive(): the sentinel closes as the process exits, a moment before waitpid sees it
+        gone = [rank for rank, is_alive in enumerate(self.alive(), start=1) if not is_alive]
         what = self._failures[0] if self._failures else f"rank {gone[0]} exited without a report (killed?)"
         log.error("tensor-parallel rank(s) %s exited while the ranks run: %s", gone, what)
         if self.is_cuda and not self._is_raised.wait(BLOCKED_EXIT_SECONDS) and not self._is_stopping:
