@@ -285,7 +285,7 @@ def streamed_bytes_per_step(llm: LLM, num_tokens: int) -> int | None:
     """Bytes a step of `num_tokens` copies to the GPU (`hybrid.streaming`); None when it is not streamed. A ring
     that holds every unit (a model of NUM_SLOTS units or fewer) copies nothing after the first step."""
     stream = llm.expert_stream
-    if stream is None or num_tokens < llm.gpu_prefill_tokens:
+    if stream is None or not stream.units or num_tokens < llm.gpu_prefill_tokens:  # no layer it could stream
         return None
     if len(stream.units) <= stream.num_slots:
         return 0

@@ -84,8 +84,8 @@ class EngineConfig:
         "routed experts per MoE layer kept on the GPU: a count, or 'auto' to fill the free GPU memory"))
     # "auto": once a step gives each expert 16 tokens on average (T*K/E >= 16), past the CPU's break-even
     gpu_prefill_tokens: int | str = field(default="auto", metadata=_help(
-        "steps of at least this many tokens compute CPU-resident experts on the GPU, streaming their int8/int4/bf16 "
-        "weights over PCIe (CUDA only; 0: never; 'auto': 16 x experts / top-k tokens)"))
+        "steps of at least this many tokens compute CPU-resident experts on the GPU, streaming their weights over "
+        "PCIe as stored (CUDA only; 0: never; 'auto': 16 x experts / top-k tokens)"))
     # `hybrid.prefill_split`: a streamed step's experts with the fewest tokens stay on the CPU, computed while the
     # others stream; "auto" balances the two sides on the link's and the CPU's rates measured at start-up. Default 0
     # (stream all, the path measured on the device) until the split has run on a GPU

@@ -3,8 +3,8 @@
 A prefill step of a few thousand tokens routes to nearly every expert of a layer, and the CPU computes it at a few
 TFLOP/s; the GPU computes it a hundred times faster if it has the weights. Copying a layer's int8 experts from
 page-locked memory runs at the link's speed (~55 GB/s on PCIe 5: 11 ms for a Qwen3-30B-A3B layer), which beats
-the CPU from a few hundred tokens on: the trade llama.cpp makes when it offloads large batches. int4 experts cross
-the link packed (half int8's bytes) and expand on the device.
+the CPU from a few hundred tokens on: the trade llama.cpp makes when it offloads large batches. Every format crosses
+the link as stored (int4, MXFP4 and NVFP4 packed: half int8's bytes; FP8 as its codes) and expands on the device.
 
 Pieces:
 - `ExpertStream` (one per model) cuts every streamed layer into units (experts [first, last) of one partition,
@@ -15,7 +15,8 @@ Pieces:
   waits for the compute that read it. No host sync anywhere: a slot still holding its unit (a model whose units
   all fit) is reused, not re-copied.
 - `StreamedPrefill`, a part of a layer's `hybrid.routed_experts.RoutedExperts`: the eager steps of at least
-  `min_tokens` tokens run here, per unit: int8/int4 weights -> bf16 (`gpu_layers.dequant`, gate and up side by
+  `min_tokens` tokens run here, per unit: stored weights -> bf16 (`gpu_layers.dequant` for int8/int4,
+  `gpu_layers.dequant_float` for FP8/MXFP4/NVFP4, gate and up side by
   side in one [c, 2Ip, H] table) -> `gpu_layers.fused_moe` with the ids shifted by `first` (ids outside the unit
   count as elsewhere) and the layer's activation and biases (gpt-oss: the gate/up biases in every unit, the down
   bias with partition 0's); the units' outputs add up in float32. Smaller steps (decode) and graph steps go to the CPU.
@@ -34,14 +35,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from cpu_experts.expert_file import ExpertLayerSpec
 from cpu_experts.module import CpuExperts
 from cpu_experts.packed import PackedLayer
 from gpu_layers.dequant import dequantize_int4, dequantize_int8
+from gpu_layers.dequant_float import dequantize_fp4, dequantize_fp8
 from gpu_layers.fused_moe import Activation, fused_moe
 from hybrid.engine_config import EngineConfig
 from hybrid.prefill_split import PrefillRates, flops_per_pair, plan_cpu_experts
 
-STREAMED_DTYPES = ("int8", "int4", "bf16")
+STREAMED_DTYPES = ("int8", "int4", "bf16", "fp8", "mxfp4", "nvfp4")
 # gpu_prefill_tokens="auto": stream a step's experts once each gets this many of its tokens on average. On the H200
 # host the CPU took 9, 15 and 18 ms per Qwen3-30B-A3B layer for 128, 256 and 512 tokens (8, 16 and 32 per
 # expert), the copy over PCIe 11 ms at any size.
@@ -209,7 +212,8 @@ class StreamedPrefill:
 
     @property
     def is_streamable(self) -> bool:
-        """int8/int4/bf16 experts whose partitions fused_moe can take (I and H multiples of 16)."""
+        """Experts of a streamed format (every expert format) whose partitions fused_moe can take (I and H
+        multiples of 16)."""
         if self.cpu_experts.op is None:
             return False
         layer = self.cpu_experts.op.layer
@@ -275,7 +279,7 @@ class StreamedPrefill:
                     continue
                 arrays, unit_ids = self.stream.acquire_rows(index, rows - unit.first), _packed_ids(ids, rows)
                 rows = torch.from_numpy(rows)
-            gate_up, down = self._bf16_tables(arrays, spec.group_size)
+            gate_up, down = self._bf16_tables(arrays, spec)
             gate_up_bias = down_bias = None
             if spec.has_bias:  # gate/up rows of this partition; the down bias once per expert, with partition 0
                 gate_up_bias = torch.cat([arrays["gate_bias"], arrays["up_bias"]], dim=1)  # [c, 2Ip]
@@ -294,24 +298,30 @@ class StreamedPrefill:
         return self._device_down_bias
 
     @staticmethod
-    def _bf16_tables(arrays: dict[str, torch.Tensor], group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A unit's stored arrays -> gate_up bf16 [c, 2Ip, H] (gate rows first) and down bf16 [c, H, Ip];
-        `group_size` is the layer's (0: one scale a row)."""
+    def _bf16_tables(arrays: dict[str, torch.Tensor], spec: ExpertLayerSpec) -> tuple[torch.Tensor, torch.Tensor]:
+        """A unit's stored arrays -> gate_up bf16 [c, 2Ip, H] (gate rows first) and down bf16 [c, H, Ip]."""
         gate, up, down = arrays["gate"], arrays["up"], arrays["down"]
         if gate.dtype == torch.uint16:  # bf16 stored as its bits
             return torch.cat([gate.view(torch.bfloat16), up.view(torch.bfloat16)], dim=1), down.view(torch.bfloat16)
-        num_experts, inter, _ = gate.shape
-        hidden_size = down.shape[1]
+        num_experts, inter, hidden_size = gate.shape[0], gate.shape[1], down.shape[1]
         gate_up = torch.empty(num_experts, 2 * inter, hidden_size, dtype=torch.bfloat16, device=gate.device)
-        if gate.dtype == torch.int8:
-            dequantize_int8(gate, arrays["gate_scales"], gate_up[:, :inter])
-            dequantize_int8(up, arrays["up_scales"], gate_up[:, inter:])
-            return gate_up, dequantize_int8(down, arrays["down_scales"])
-        # packed int4: gate and up's K is H (the tables' width), down's is Ip (its rows' count)
-        scales = {role: _scales(arrays[f"{role}_scales"]) for role in ("gate", "up", "down")}
-        dequantize_int4(gate, scales["gate"], group_size or hidden_size, hidden_size, gate_up[:, :inter])
-        dequantize_int4(up, scales["up"], group_size or hidden_size, hidden_size, gate_up[:, inter:])
-        return gate_up, dequantize_int4(down, scales["down"], group_size or inter, inter)
+        _dequantize(arrays, "gate", spec, hidden_size, gate_up[:, :inter])
+        _dequantize(arrays, "up", spec, hidden_size, gate_up[:, inter:])
+        return gate_up, _dequantize(arrays, "down", spec, inter)
+
+
+def _dequantize(arrays: dict[str, torch.Tensor], role: str, spec: ExpertLayerSpec, num_cols: int,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """One projection of a unit, K = `num_cols` (gate and up: H, down: the partition's Ip), -> bf16 [c, N, K]:
+    each stored weight dequantized as the format's reference does, rounded once to bf16."""
+    w, scales = arrays[role], arrays[f"{role}_scales"]
+    if spec.dtype == "int8":
+        return dequantize_int8(w, scales, out)
+    if spec.dtype == "int4":  # packed: gate and up's K is H (the tables' width), down's is Ip (its rows' count)
+        return dequantize_int4(w, _scales(scales), spec.group(num_cols), num_cols, out)
+    if spec.dtype == "fp8":
+        return dequantize_fp8(w, scales, spec.group(num_cols), out)
+    return dequantize_fp4(w, scales, num_cols, arrays.get(f"{role}_tensor_scale"), out)  # MXFP4 or NVFP4
 
 
 def _packed_ids(ids: torch.Tensor, rows: np.ndarray) -> torch.Tensor:

@@ -56,7 +56,8 @@ def test_swapped_in_weights_are_the_loaders(converted):
                 assert torch.equal(getattr(module, name).data[slot], weight), (module.layer_idx, expert, name)
 
 
-@pytest.mark.parametrize("dtype,group_size", [("int8", 0), ("int4", 32), ("bf16", 0)])
+@pytest.mark.parametrize("dtype,group_size", [("int8", 0), ("int4", 32), ("bf16", 0), ("fp8", 32), ("mxfp4", 32),
+                                              ("nvfp4", 16)])
 def test_an_expert_is_joined_over_the_partitions(dtype, group_size):
     """Partitions split I: the expert dequantized from them is the whole stored matrix's dequantization."""
     from cpu_experts.expert_file import dequantize_matrix
@@ -71,9 +72,9 @@ def test_an_expert_is_joined_over_the_partitions(dtype, group_size):
     assert len(packed.partitions) == 2
     for expert in range(num_experts):
         for role, got in zip(("gate", "up", "down"), dequantize_expert(packed, expert), strict=True):
-            scales = tensors.get(f"{role}.scales")
-            want = dequantize_matrix(tensors[f"{role}.weight"][expert],
-                                     None if scales is None else scales[expert], role, spec)
+            scales, tensor_scale = tensors.get(f"{role}.scales"), tensors.get(f"{role}.tensor_scale")
+            want = dequantize_matrix(tensors[f"{role}.weight"][expert], None if scales is None else scales[expert],
+                                     role, spec, None if tensor_scale is None else tensor_scale[expert])
             assert torch.equal(got, want), (dtype, expert, role)
 
 

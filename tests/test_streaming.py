@@ -93,7 +93,7 @@ def close(got: torch.Tensor, want: torch.Tensor) -> bool:
 
 
 @pytest.mark.parametrize("dtype,group_size", [("int8", 0), ("int8", 32), ("bf16", 0), ("int4", "float32"),
-                                              ("int4", "bfloat16")])
+                                              ("int4", "bfloat16"), ("fp8", 32), ("mxfp4", 32), ("nvfp4", 16)])
 def test_streamed_layer_matches_the_cpu_operator(dtype, group_size):
     module = int4_layer(0, group_size) if dtype == "int4" else cpu_layer(0, dtype, group_size)
     hidden, ids, weights = routed(19)
@@ -111,7 +111,7 @@ def test_streamed_layer_matches_the_cpu_operator(dtype, group_size):
     assert close(on_device(streamed, hidden, ids, weights), module.op(hidden, ids, weights))
 
 
-@pytest.mark.parametrize("dtype,group_size", [("int8", 0), ("bf16", 0)])
+@pytest.mark.parametrize("dtype,group_size", [("int8", 0), ("bf16", 0), ("mxfp4", 32)])  # mxfp4: as published
 def test_streamed_gpt_oss_layer_keeps_its_activation_and_biases(dtype, group_size):
     """gpt-oss's experts streamed: the clamped activation and the gate/up biases in every unit, the down bias once
     per expert (units of both partitions add up), as the CPU operator computes them."""
