@@ -15,9 +15,8 @@ Pieces:
   waits for the compute that read it. No host sync anywhere: a slot still holding its unit (a model whose units
   all fit) is reused, not re-copied.
 - `StreamedPrefill`, a part of a layer's `hybrid.routed_experts.RoutedExperts`: the eager steps of at least
-  `min_tokens` tokens run here, per unit: stored weights -> bf16 (`gpu_layers.dequant` for int8/int4,
-  `gpu_layers.dequant_float` for FP8/MXFP4/NVFP4, gate and up side by
-  side in one [c, 2Ip, H] table) -> `gpu_layers.fused_moe` with the ids shifted by `first` (ids outside the unit
+  `min_tokens` tokens run here, per unit: stored weights of any format -> bf16 (`gpu_layers.dequant`, gate and up
+  side by side in one [c, 2Ip, H] table) -> `gpu_layers.fused_moe` with the ids shifted by `first` (ids outside the unit
   count as elsewhere) and the layer's activation and biases (gpt-oss: the gate/up biases in every unit, the down
   bias with partition 0's); the units' outputs add up in float32. Smaller steps (decode) and graph steps go to the CPU.
   The activations stay in the model's dtype (the CPU path's int8 activation rounding does not apply). Layers whose
@@ -38,8 +37,7 @@ import torch
 from cpu_experts.expert_file import ExpertLayerSpec
 from cpu_experts.module import CpuExperts
 from cpu_experts.packed import PackedLayer
-from gpu_layers.dequant import dequantize_int4, dequantize_int8
-from gpu_layers.dequant_float import dequantize_fp4, dequantize_fp8
+from gpu_layers.dequant import dequantize_fp4, dequantize_fp8, dequantize_int4, dequantize_int8
 from gpu_layers.fused_moe import Activation, fused_moe
 from hybrid.engine_config import EngineConfig
 from hybrid.prefill_split import PrefillRates, flops_per_pair, plan_cpu_experts
