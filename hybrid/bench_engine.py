@@ -329,11 +329,13 @@ def run(args) -> dict:
     config = from_namespace(EngineConfig, args, max_model_len=max(context + args.tokens + 64, 256))
     llm = LLM(path, config=config)
     timer = timed_cpu_experts(llm)
-    # --max-num-batched-tokens given: the runtime's own step budget (with --layerwise-prefill-tokens, as a server
-    # runs); else a prefill runs in one step and a long decode context in chunks of up to 8192 tokens
-    chunk = None if args.max_num_batched_tokens else min(llm.max_model_len, max(args.tokens, 64)
-                                                         if args.mode == "prefill" else
-                                                         max(min(context, LONG_CONTEXT_CHUNK), 64))
+    # a prefill runs in one step unless --max-num-batched-tokens is given (then the runtime's budgets, layer-wise
+    # prefill's included, as a server runs); a long decode context in chunks of the budget given (default up to
+    # 8192 tokens)
+    if args.mode == "prefill":
+        chunk = None if args.max_num_batched_tokens else min(llm.max_model_len, max(args.tokens, 64))
+    else:
+        chunk = min(llm.max_model_len, args.max_num_batched_tokens or max(min(context, LONG_CONTEXT_CHUNK), 64))
     engine = Engine(llm, max_num_batched_tokens=chunk, max_num_seqs=max(args.batch, 1))
     spec = guided_spec(getattr(args, "guided_json", None), args.tokens)
     if spec is not None:
@@ -370,7 +372,8 @@ def run(args) -> dict:
             "gpu_experts": llm.num_gpu_experts,
             "hot_expert_swaps": llm.hot_experts.num_swaps if llm.hot_experts is not None else None,
             "tokens_per_s": m["tokens"] / m["seconds"], "step_ms": step_s * 1e3, "steps": steps,
-            "max_step_tokens": engine.scheduler.max_num_batched_tokens,
+            "max_num_batched_tokens": engine.scheduler.max_num_batched_tokens,
+            "max_prefill_tokens": engine.scheduler.max_prefill_tokens,
             "graph_steps": m["graph_steps"], "step_p50_ms": step_times[len(step_times) // 2] * 1e3,
             "step_max_ms": step_times[-1] * 1e3, "cpu_experts_ms": cpu_s * 1e3, "cpu_wait_ms": _ms(m["cpu_wait_s"]),
             # each rank's own CPU experts per step (rank 0's alone above): the slowest rank sets the step
@@ -432,8 +435,9 @@ def main(argv: list[str], mode: str) -> int:
           f"{row['cpu_experts_ms']:.2f}, rest {row['not_cpu_ms']:.2f}{gpu}); bound {row['bound_ms']:.2f} ms at "
           f"{rate}: {row['of_bound']:.0%} of it; physical bound (the experts' bytes alone) "
           f"{row['physical_bound_ms']:.2f} ms: {row['of_physical_bound']:.0%} of it")
-    print(f"{row['steps']} steps of up to {row['max_step_tokens']} tokens ({row['graph_steps']} replayed as graphs): "
-          f"median {row['step_p50_ms']:.2f} ms, slowest {row['step_max_ms']:.2f} ms")
+    print(f"{row['steps']} steps ({row['graph_steps']} replayed as graphs; up to {row['max_num_batched_tokens']} "
+          f"tokens, {row['max_prefill_tokens']} without decodes): median {row['step_p50_ms']:.2f} ms, slowest "
+          f"{row['step_max_ms']:.2f} ms")
     if row["tensor_parallel_size"] > 1:
         print(f"CPU experts per step on each rank: {', '.join(f'{v:.2f}' for v in row['rank_cpu_experts_ms'])} ms "
               f"(slowest {row['max_rank_cpu_experts_ms']:.2f} ms)")

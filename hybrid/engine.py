@@ -63,15 +63,17 @@ class EngineStats:
 class Engine:
     def __init__(self, llm, max_num_batched_tokens: int | None = None, max_num_seqs: int | None = None,
                  tokenizer=None, allow_cuda_graphs: bool = True):
-        """`max_num_batched_tokens`: tokens per step (None: the LLM's `max_step_tokens`: the engine config's
-        max_num_batched_tokens, default 512 or max_model_len if smaller, or a layer-wise prefill's larger budget
-        where experts stream); at most max_model_len, the largest step the CPU experts' staging buffers take.
+        """`max_num_batched_tokens`: tokens per step (None: the engine config's, default 512 or max_model_len if
+        smaller); at most max_model_len, the largest step the CPU experts' staging buffers take. Steps in which no
+        request decodes may take the LLM's layer-wise budget (`LLM.max_step_tokens`) where experts stream.
         `max_num_seqs` (None: the engine config's): requests run together; the config's values size the
         sliding-window cache groups, and larger ones here still run, queued where those pools run short.
         `tokenizer` (a transformers tokenizer): outputs carry their text, and requests may stop on strings.
         `allow_cuda_graphs` False: decode eagerly even where the config's `cuda_graph` would capture (`LLM.generate`'s
         own engine: one request, eager numerics)."""
-        max_num_batched_tokens = max_num_batched_tokens or llm.max_step_tokens
+        max_num_batched_tokens = max_num_batched_tokens or llm.max_num_batched_tokens
+        # layer-wise prefill (`LLM.max_step_tokens`): the budget of the steps in which no request decodes
+        max_prefill_tokens = llm.max_step_tokens if llm.max_step_tokens > llm.max_num_batched_tokens else 0
         max_num_seqs = max_num_seqs or llm.engine_config.max_num_seqs
         if max_num_batched_tokens > llm.max_model_len:
             raise ValueError(f"max_num_batched_tokens {max_num_batched_tokens} exceeds max_model_len "
@@ -83,7 +85,7 @@ class Engine:
         if llm.hot_experts is not None:
             llm.hot_experts.drain()  # no copy thread issues CUDA calls while the runner captures graphs
         self.runner = ModelRunner.for_engine(llm, max_num_seqs, allow_cuda_graphs)
-        self.scheduler = Scheduler(self.blocks, max_num_batched_tokens, max_num_seqs)
+        self.scheduler = Scheduler(self.blocks, max_num_batched_tokens, max_num_seqs, max_prefill_tokens)
         self.requests: dict[int, Request] = {}
         self._ids = itertools.count()
         self._generators: dict[int, torch.Generator] = {}

@@ -34,6 +34,35 @@ def test_planner_takes_the_largest_step_every_budget_holds():
     assert layerwise_step_tokens(10 * GiB, step_bytes, 512, 8192) == 512  # none fits: the chunked budget
 
 
+def test_scheduler_grows_only_the_steps_without_decodes():
+    """Budget 4, layer-wise 16: a prompt alone runs 16 tokens a step; once a request decodes, every step keeps to 4
+    (a decode waits for no long step), the decode first; then 16 again when none decodes."""
+    from test_cache_groups import request, two_groups
+
+    from hybrid.scheduler import Scheduler
+
+    scheduler = Scheduler(two_groups(num_windowed=400, num_full=400), 4, 8, max_prefill_tokens=16)
+    first, second = request(0, 20, max_tokens=2), request(1, 40, max_tokens=2)
+    scheduler.add(first)
+
+    def step():
+        chunks = scheduler.schedule()
+        for chunk in chunks:
+            is_last = chunk.is_last
+            scheduler.advance(chunk.request, chunk.num_new)
+            if is_last:  # its logits sampled a token
+                chunk.request.output_ids.append(7)
+        return [(c.request.request_id, c.num_new) for c in chunks]
+
+    assert step() == [(0, 16)]
+    assert step() == [(0, 4)]  # the prompt's end; its first token sampled: it decodes from now on
+    scheduler.add(second)
+    assert step() == [(0, 1), (1, 3)]  # beside a decode: the budget of 4
+    scheduler.finish(first, "stop")
+    assert step() == [(1, 16)]  # none decodes: layer-wise again
+    assert Scheduler(two_groups(), 4, 8, max_prefill_tokens=2).max_prefill_tokens == 4  # never below the budget
+
+
 @pytest.mark.parametrize("value", [-1, "all", 1.5])
 def test_bad_values_name_the_setting(value):
     with pytest.raises(ConfigError, match="layerwise_prefill_tokens"):
