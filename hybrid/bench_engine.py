@@ -32,7 +32,7 @@ from cpu_experts.topology import allowed_cpus, use_kernel_threads
 from hybrid.bench_gpu_alone import cpu_experts_answer_at_once, decode_pool_of, print_profile, profile_decode
 from hybrid.bench_guided import attach_tokenizer, guided_spec
 from hybrid.cli_args import add_arguments, from_namespace
-from hybrid.engine import Engine
+from hybrid.engine import Engine, HostSeconds
 from hybrid.engine_config import EngineConfig
 from hybrid.layers.moe import SparseMoE
 from hybrid.llm import LLM
@@ -48,6 +48,7 @@ LONG_CONTEXT_CHUNK = 8192  # prefill chunk of a long decode context (`--context`
 # experts of the step before and read them from the last-level cache (300 MB on the H200 host), not from memory.
 DECODE_SAMPLING = SamplingParams(temperature=1.0, seed=0)
 GUIDED_ROUNDS = 2  # --guided-json: decode runs without and with the schema, alternated
+HOST_PHASES = tuple(HostSeconds.__dataclass_fields__)  # the engine's step phases, as `HostSeconds` names them
 
 
 def converted_model(args) -> Path:
@@ -230,14 +231,22 @@ def measure_guided(engine: Engine, llm: LLM, args, spec: GuidedSpec, timer: CpuE
     `GUIDED_ROUNDS` times (the host's speed drifts)."""
     prompts = [torch.randint(llm.config.vocab_size, (args.context,)).tolist() for _ in range(args.batch)]
     guided = replace(DECODE_SAMPLING, guided=spec)
-    seconds, tokens = {"plain": 0.0, "guided": 0.0}, {"plain": 0, "guided": 0}
+    seconds, tokens, steps = {"plain": 0.0, "guided": 0.0}, {"plain": 0, "guided": 0}, {"plain": 0, "guided": 0}
+    phases = {kind: dict.fromkeys(HOST_PHASES, 0.0) for kind in seconds}  # the engine's host seconds by phase
     for _ in range(GUIDED_ROUNDS):
         for kind, params in (("plain", DECODE_SAMPLING), ("guided", guided)):
-            run_seconds, _, run_tokens = _decode(engine, prompts, args.tokens + 1, timer, params)
+            before = {phase: getattr(engine.host_seconds, phase) for phase in HOST_PHASES}
+            run_seconds, step_seconds, run_tokens = _decode(engine, prompts, args.tokens + 1, timer, params)
             seconds[kind] += run_seconds
             tokens[kind] += run_tokens
+            steps[kind] += len(step_seconds)
+            for phase in HOST_PHASES:
+                phases[kind][phase] += getattr(engine.host_seconds, phase) - before[phase]
     plain, constrained = (tokens[k] / seconds[k] for k in ("plain", "guided"))
-    return {"plain_tokens_per_s": plain, "guided_tokens_per_s": constrained, "guided_ratio": constrained / plain}
+    host_ms = {kind: {phase: phases[kind][phase] / max(steps[kind], 1) * 1e3 for phase in HOST_PHASES}
+               for kind in phases}
+    return {"plain_tokens_per_s": plain, "guided_tokens_per_s": constrained, "guided_ratio": constrained / plain,
+            "host_ms_per_step": host_ms}
 
 
 def _graph_serving(engine: Engine) -> tuple[float, float, int]:
@@ -452,6 +461,8 @@ def main(argv: list[str], mode: str) -> int:
     if "guided_ratio" in row:
         print(f"JSON schema on every request: {row['guided_tokens_per_s']:.1f} tokens/s against "
               f"{row['plain_tokens_per_s']:.1f} without, {row['guided_ratio']:.3f} of it")
+        for kind, phases in row["host_ms_per_step"].items():  # the sample phase holds the wait for the device
+            print(f"  engine host ms per step, {kind}: " + ", ".join(f"{p} {v:.3f}" for p, v in phases.items()))
     if row["split_cpu_fraction"] is not None:
         print(f"prefill split ({row['prefill_cpu_share']}): {row['split_cpu_fraction']:.0%} of the routed "
               f"CPU-resident experts computed on the CPU, the rest streamed")

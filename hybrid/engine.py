@@ -20,6 +20,7 @@ LLM is the one `LLM.generate` runs through. The CPU path runs this same loop.
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +41,21 @@ class StepOutput:
     top_logprobs: tuple[tuple[int, float], ...] | None = None  # (token id, logprob), most likely first
     text: str | None = None  # with a tokenizer: the new text (held back while it could start a stop string)
     error: str | None = None  # why the request failed (finish_reason "error"; new_token is then -1)
+
+
+@dataclass
+class HostSeconds:
+    """Where the steps' host time goes, summed over the engine's steps (`Engine.host_seconds`): what a benchmark
+    reads from outside to tell a constrained step's cost apart (masks, the matchers' accepts) from the rest."""
+
+    schedule: float = 0.0  # the scheduler and the state copies it queued
+    run: float = 0.0  # inputs prepared and the forward pass launched (graph replay) or run (eager)
+    masks: float = 0.0  # grammar masks filled, while the device computes the logits
+    sample: float = 0.0  # the batched draw, its wait for the logits included
+    update: float = 0.0  # tokens appended, matchers advanced, detokenized, finished; the step's CPU side checked
+
+    def total(self) -> float:
+        return self.schedule + self.run + self.masks + self.sample + self.update
 
 
 @dataclass(frozen=True)
@@ -94,6 +110,7 @@ class Engine:
         # compiled grammars: the server attaches its tokenizer and compiles there, where the engine has none
         self.grammars = GrammarCache(llm.config.vocab_size, tokenizer)
         self._guided = GuidedRequests(self.grammars, pin_memory=torch.device(self.device).type == "cuda")
+        self.host_seconds = HostSeconds()
         llm.attach_engine(self)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None, max_tokens: int = 16,
@@ -156,6 +173,7 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
+        clock, start = self.host_seconds, time.perf_counter()
         chunks = self.scheduler.schedule()
         self.runner.copy_states(self.scheduler.take_state_copies())  # state snapshots restored on admission
         hot = self.llm.hot_experts
@@ -163,12 +181,17 @@ class Engine:
             if hot is not None:
                 hot.at_idle()  # experts move while no step runs
             return []
+        launched = time.perf_counter()
+        clock.schedule += launched - start
         logits = self.runner.execute_chunks(chunks)
+        clock.run += time.perf_counter() - launched
         outputs = self._update(chunks, logits)
+        updated = time.perf_counter()
         self.runner.copy_states(self.scheduler.take_state_copies())  # snapshots of the states this step ended at
         self.runner.finish_step()  # the update read the logits: the step's GPU work is over
         if hot is not None:
             hot.after_step()  # between steps: swaps flip, copies start (`hybrid.hot_experts`)
+        clock.update += time.perf_counter() - updated
         return outputs
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | None = None, max_tokens: int = 16,
@@ -186,6 +209,13 @@ class Engine:
         if not sampled:
             return []
         result = self._sample(sampled, logits)
+        start = time.perf_counter()
+        outputs = self._append(sampled, result)
+        self.host_seconds.update += time.perf_counter() - start
+        return outputs
+
+    def _append(self, sampled: list[Request], result: SampleResult) -> list[StepOutput]:
+        """Each sampled request's new token: accepted by its grammar, appended, finished where it ends."""
         outputs = []
         for i, r in enumerate(sampled):
             if result.errors[i] is not None:
@@ -213,6 +243,11 @@ class Engine:
         """logits [len(requests), V] -> every request's next token in one batched draw (one host sync); a seeded
         request draws from its own generator, the rest from the device's default one. The constrained requests'
         masks are filled here, before anything waits for the logits."""
+        start = time.perf_counter()
         mask = self._guided.fill([r.request_id for r in requests])
+        filled = time.perf_counter()
         rows = [RowInputs(r.params, self._generators.get(r.request_id), r.prompt_ids, r.output_ids) for r in requests]
-        return sample_batch(logits, rows, mask=mask)
+        result = sample_batch(logits, rows, mask=mask)
+        self.host_seconds.masks += filled - start
+        self.host_seconds.sample += time.perf_counter() - filled
+        return result

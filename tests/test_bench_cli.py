@@ -260,6 +260,9 @@ def test_decode_benchmark_with_a_json_schema(tmp_path, capsys):
     row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert row["plain_tokens_per_s"] > 0 and row["guided_tokens_per_s"] > 0
     assert row["guided_ratio"] == pytest.approx(row["guided_tokens_per_s"] / row["plain_tokens_per_s"])
+    host = row["host_ms_per_step"]  # the engine's own phases: only the constrained runs fill masks
+    assert set(host["plain"]) == {"schedule", "run", "masks", "sample", "update"} and host["plain"]["run"] > 0
+    assert host["guided"]["masks"] > 0 and host["plain"]["masks"] < host["guided"]["masks"]
     with pytest.raises(SystemExit, match="ended a request after"):
         main([*decode, '{"enum": ["a", "b"]}'])
 
