@@ -28,7 +28,7 @@ import torch
 
 from cpu_experts.bench import ReadBandwidth, last_level_cache_bytes
 from cpu_experts.module import CpuExperts
-from cpu_experts.topology import allowed_cpus, use_kernel_threads
+from cpu_experts.topology import allowed_cpus, physical_cores, use_kernel_threads
 from hybrid.bench_gpu_alone import cpu_experts_answer_at_once, decode_pool_of, print_profile, profile_decode
 from hybrid.bench_guided import attach_tokenizer, guided_spec
 from hybrid.cli_args import add_arguments, from_namespace
@@ -394,7 +394,9 @@ def run(args) -> dict:
             "deferral_kl": kl, "streamed_gb": None if streamed_bytes is None else streamed_bytes / 1e9,
             "link_gb_s": None if link_bw is None else link_bw / 1e9, "profile": profile_rows,
             "prefill_cpu_share": config.prefill_cpu_share, "split_cpu_fraction": split_cpu_fraction(llm),
-            "num_layers": llm.config.num_layers, **guided}
+            "num_layers": llm.config.num_layers,
+            # SMT siblings spin in the decode pool too: whether the host's CPUs are cores or threads of them
+            "num_cpus": len(allowed_cpus()), "num_physical_cores": physical_cores(allowed_cpus()), **guided}
 
 
 def main(argv: list[str], mode: str) -> int:
@@ -438,7 +440,8 @@ def main(argv: list[str], mode: str) -> int:
         f"{row['streamed_gb']:.2f} GB streamed at {row['link_gb_s']:.1f} GB/s host-to-device"
     context = f", context {args.context}" if mode == "decode" else ""
     tp = f" x {row['tensor_parallel_size']} ranks" if row["tensor_parallel_size"] > 1 else ""
-    print(f"{mode} on {row['device']}{tp}, batch {row['batch']}{context}, graphs {row['cuda_graph']}, decode pool "
+    print(f"{mode} on {row['device']}{tp} ({row['num_cpus']} CPUs on {row['num_physical_cores']} cores), batch "
+          f"{row['batch']}{context}, graphs {row['cuda_graph']}, decode pool "
           f"{row['decode_pool']}, GPU experts "
           f"{row['gpu_experts']}: {row['tokens_per_s']:.1f} tokens/s, step {row['step_ms']:.2f} ms (CPU experts "
           f"{row['cpu_experts_ms']:.2f}, rest {row['not_cpu_ms']:.2f}{gpu}); bound {row['bound_ms']:.2f} ms at "

@@ -157,6 +157,7 @@ def test_engine_benchmarks_run_on_a_converted_model(tmp_path, capsys):
         # on the CPU nothing overlaps the experts: the bound adds the rest of the step to the experts' reads
         assert 0 < row["physical_bound_ms"] < row["bound_ms"], row
         assert row["of_physical_bound"] == pytest.approx(row["physical_bound_ms"] / row["step_ms"])
+        assert 1 <= row["num_physical_cores"] <= row["num_cpus"]
     # tensor parallel (gloo here): the engine over 2 ranks, each with its slice of the CPU experts
     assert main(["decode", "--model", str(tmp_path / "dst"), "--device", "cpu", "--dtype", "float32",
                  "--tokens", "4", "--json", "--tp", "2"]) == 0
