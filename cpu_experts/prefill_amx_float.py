@@ -50,7 +50,7 @@ from cpu_experts.prefill_int8 import COLUMN_TILE
 
 FLAGS = dict(parallel=True, fastmath=True, nogil=True, cache=True)
 STEP = TILE_BYTES // 2  # bf16 columns a tile step
-CHUNK = 256  # columns `prefill_amx_float_chunked` converts at a time: 32 rows x 256 bf16 = 16 KiB, in L1
+CHUNK = 512  # columns `prefill_amx_float_chunked` converts at a time: 32 rows x 512 bf16 = 32 KiB, in L1
 C_FLOATS = 4 * TILE_ROWS * TILE_ROWS  # the 4 C tiles of a pass over two column tiles (A0, A1 x B0, B1)
 FP8, MXFP4, NVFP4 = 0, 1, 2
 FORMATS = {"fp8": FP8, "mxfp4": MXFP4, "nvfp4": NVFP4}

@@ -10,7 +10,7 @@ over 1024 floats with an index computation per row. Here:
 - the conversion of a chunk (`_fp8_rows`, `_fp4_rows`: vector IR over 16 rows a call, FP4 factors looked up from
   the scale bytes inside the loop) prefetches the rows' bytes PREFETCH_CHUNKS chunks ahead, so the next chunks'
   lines arrive while this one's tiles run: the stream never stops;
-- the converted chunk (32 rows x CHUNK bf16, 16 KiB) is read by the tile loads from L1;
+- the converted chunk (32 rows x CHUNK bf16, 32 KiB) is read by the tile loads from L1;
 - a scale group's C tiles are stored once per group and added to the float32 accumulators times the rows' group
   scales by vector IR (`_scale_add_tiles`: a broadcast and a multiply-add per tile row of 16 floats). A group
   longer than a chunk (NVFP4's and folded MXFP4's whole row, FP8 groups above CHUNK) keeps accumulating in its C
@@ -64,7 +64,7 @@ from cpu_experts.prefill_amx_float import (
 )
 
 FLAGS = dict(parallel=True, fastmath=True, nogil=True, cache=True)
-PREFETCH_CHUNKS = 2  # chunks ahead that the source rows are prefetched (a chunk takes ~1 us on the Xeon)
+PREFETCH_CHUNKS = 1  # chunks ahead that the source rows are prefetched (a chunk: ~2 us of work per core)
 HALF = np.full(256, 0.5, dtype=np.float32)  # the doubled codes' factor of MXFP4 rows whose scales do not fold
 FP4_SHIFT = {NVFP4: 4, MXFP4: 5}  # log2 of the columns a scale byte covers
 
@@ -250,8 +250,9 @@ def _scale_add_tiles(typingctx, c, c_off, acc, acc_off, rs, num_tiles):
                 splat = builder.shuffle_vector(one, ir.Constant(v16f, None), ir.Constant(V16I, [0] * TILE_ROWS))
                 c_row = builder.bitcast(builder.gep(p_c, [at]), v16f.as_pointer())
                 acc_row = builder.bitcast(builder.gep(p_acc, [at]), v16f.as_pointer())
-                total = builder.fadd(builder.load(acc_row, align=4),
-                                     builder.fmul(builder.load(c_row, align=4), splat))
+                # contracted to one FMA (one rounding), as numba's fastmath loop of the first kernels was
+                product = builder.fmul(builder.load(c_row, align=4), splat, flags=("contract",))
+                total = builder.fadd(builder.load(acc_row, align=4), product, flags=("contract",))
                 builder.store(total, acc_row, align=4)
         return context.get_dummy_value()
     return types.void(c, c_off, acc, acc_off, rs, num_tiles), codegen

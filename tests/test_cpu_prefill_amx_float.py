@@ -171,11 +171,11 @@ def wide_layers():
                                             ("mxfp4", 32, "plain"), ("mxfp4", 32, "extreme"), ("nvfp4", 16, "plain")])
 @pytest.mark.parametrize("variant,is_amx", [("chunked", False), ("chunked", True), ("rows", True)])
 def test_chunks_across_groups(kernels, wide_layers, variant, is_amx, fmt, group, kind):
-    """H = 800: gate/up rows in chunks of 256, 256, 256 and 32 columns (`prefill_amx_float.CHUNK`), FP8 groups
-    that end inside a chunk (96), run over two (384: their C tiles reloaded) or end with the row (128: a last group
-    of 32); NVFP4's and folded MXFP4's one group across all chunks, unfolded MXFP4's groups of one step; I = 288 in
-    two partitions (FP8 group 384: one, whose down rows end a group two chunks long). 1, 3, 17 and 300 tokens (300
-    at top-2: 2-3 passes of two column tiles an expert). With AMX-BF16 also the first kernels
+    """H = 800: gate/up rows in chunks of 512 and 288 columns (`prefill_amx_float.CHUNK`), FP8 groups that end
+    inside a chunk (96), run over two (384: their C tiles reloaded) or end with the row (128: a last group of 32);
+    NVFP4's and folded MXFP4's one group across both chunks, unfolded MXFP4's groups of one step; I = 288 in two
+    partitions (one for FP8 group 384). 1, 3, 17 and 300 tokens (300 at top-2: 2-3 passes of two column tiles an
+    expert). With AMX-BF16 also the first kernels
     (`prefill_amx_float_rows`, kept for A/B timing) on the real tiles: their only test, as they are not what runs."""
     if is_amx and not prefill_amx_float.has_amx_bf16():
         pytest.skip("this CPU has no AMX-BF16")
