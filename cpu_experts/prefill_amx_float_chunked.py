@@ -283,18 +283,19 @@ def _convert_chunk(fmt, w, s, e, row0, k0, num_cols, is_folded, a, a_row0):
 
 @njit(fastmath=True, cache=True)
 def _group_scales(fmt, s0, ts0, s1, ts1, e, row0, row1, g, is_folded, rs):
-    """rs[r] (r < 16: row row0 + r of A0's arrays, else row1 + r - 16 of A1's) = the scale of the row's group-g
-    sum: FP8's group scale, NVFP4's tensor scale, unfolded MXFP4's 2^(s - 127), folded MXFP4's 1."""
-    for r in range(2 * TILE_ROWS):
-        s, ts, n = (s0, ts0, row0 + r) if r < TILE_ROWS else (s1, ts1, row1 + r - TILE_ROWS)
+    """rs[0:16] (rows row0 .. of A0's arrays), rs[16:32] (rows row1 .. of A1's) = the scales of the rows' group-g
+    sums: FP8's group scale, NVFP4's tensor scale, unfolded MXFP4's 2^(s - 127), folded MXFP4's 1."""
+    for half in range(2):
+        s, ts, first = (s0, ts0, row0) if half == 0 else (s1, ts1, row1)
+        at = half * TILE_ROWS
         if fmt == FP8:
-            rs[r] = np.float32(s[e, n, g])
-        elif fmt == NVFP4:
-            rs[r] = ts[e]
-        elif is_folded:
-            rs[r] = np.float32(1.0)
+            for r in range(TILE_ROWS):
+                rs[at + r] = np.float32(s[e, first + r, g])
+        elif fmt == NVFP4 or is_folded:
+            rs[at:at + TILE_ROWS] = ts[e] if fmt == NVFP4 else np.float32(1.0)
         else:
-            rs[r] = MX_SCALE[np.int64(s[e, n, g])]
+            for r in range(TILE_ROWS):
+                rs[at + r] = MX_SCALE[np.int64(s[e, first + r, g])]
 
 
 @njit(fastmath=True, cache=True)
