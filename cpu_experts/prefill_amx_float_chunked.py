@@ -152,10 +152,14 @@ def _bf16_segment_reference(a, a_off, lda, b, b_off, b_step, num_k, num_b, is_fr
 
 # ---- conversion and scaling (vector IR) ----------------------------------------------------------------------------
 
-def _prefetch(builder, at):
+def _prefetch_line(builder, row, at, ahead):
+    """A hint for the line `ahead` bytes past row[at] (i8*), once per 64 bytes of `at` (the steps read 16 or 32)."""
     i32 = ir.IntType(32)
     hint = [ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)]  # read, keep in all levels, data
-    _call(builder, "llvm.prefetch.p0", [I8.as_pointer(), i32, i32, i32], [at, *hint])
+    is_line = builder.icmp_unsigned("==", builder.and_(at, ir.Constant(at.type, 63)), ir.Constant(at.type, 0))
+    with builder.if_then(is_line):
+        ptr = builder.gep(row, [builder.add(at, ahead)])
+        _call(builder, "llvm.prefetch.p0", [I8.as_pointer(), i32, i32, i32], [ptr, *hint])
 
 
 @intrinsic
@@ -171,7 +175,7 @@ def _fp8_rows(typingctx, src, src_off, src_stride, dst, dst_off, dst_stride, num
             dst_r = builder.gep(dst_p, [builder.mul(row.index, args[5])])
             with cgutils.for_range(builder, args[7]) as loop:
                 at = builder.mul(loop.index, ir.Constant(loop.index.type, STEP))
-                _prefetch(builder, builder.gep(src_r, [builder.add(at, args[8])]))
+                _prefetch_line(builder, src_r, at, args[8])
                 _store_bf16(builder, _fp8_step(builder, builder.gep(src_r, [at])), dst_r, builder.add(at, at))
         return context.get_dummy_value()
     sig = types.void(src, src_off, src_stride, dst, dst_off, dst_stride, num_rows, num_steps, ahead)
@@ -198,7 +202,7 @@ def _fp4_rows(typingctx, src, src_off, src_stride, scales, s_off, s_stride, col0
             dst_r = builder.gep(dst_p, [builder.mul(row.index, args[11])])
             with cgutils.for_range(builder, args[13]) as loop:
                 at = builder.mul(loop.index, ir.Constant(i64, STEP // 2))
-                _prefetch(builder, builder.gep(src_r, [builder.add(at, args[14])]))
+                _prefetch_line(builder, src_r, at, args[14])
                 col = builder.add(args[6], builder.mul(loop.index, ir.Constant(i64, STEP)))
                 factors = ir.Constant(ir.VectorType(F32, 2), None)
                 for j in range(2):
