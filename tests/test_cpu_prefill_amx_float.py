@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from cpu_experts import formats, prefill_amx_float
+from cpu_experts import formats, prefill_amx_float, prefill_amx_float_rows
 from cpu_experts.expert_file import ALLOWED_SCALES, ExpertLayerSpec, dequantize_matrix
 from cpu_experts.operator import CpuMoE, route
 from cpu_experts.packed import PackedLayer
@@ -28,6 +28,7 @@ from cpu_experts.prefill import DequantPrefill, Workspace
 from cpu_experts.reference import moe_reference
 
 E, H, I = 8, 256, 192  # noqa: E741 (the shape letters of the project)
+WIDE_H, WIDE_I = 800, 288
 REL_TOL = 1e-5
 SUM_ERR = 8  # float32 steps of sum |w x| a gate or up sum of H = 256 terms may be off by
 SILU_ERR = 16  # float32 steps of act that silu (`kernels.fast_exp`, 5e-7) and the product may add
@@ -149,6 +150,43 @@ def test_matches_reference(kernels, layers, is_amx, fmt, group, kind, partitions
     for seed, (num_tokens, top_k) in enumerate([(1, 1), (1, 8), (17, 1), (17, 8), (300, 1), (300, 8)]):
         ids, w = routing(num_tokens, top_k, seed)
         x = torch.randn(num_tokens, H, generator=gen)
+        want = moe_reference(x, gate, up, down, ids, w, bf16_activations=True)
+        got = torch.from_numpy(op(x.numpy(), route(ids.numpy(), w.numpy(), E)))
+        assert_close(got, want, flip_bound(x, gate, up, down, ids, w), f"{num_tokens} tokens, top-{top_k}")
+
+
+@pytest.fixture(scope="module")
+def wide_layers():
+    cache = {}
+
+    def get(fmt, group, kind):
+        if (fmt, group, kind) not in cache:
+            cache[fmt, group, kind] = stored_layer(fmt, group, kind, 2, seed=10 + len(cache), hidden=WIDE_H,
+                                                   inter=WIDE_I)
+        return cache[fmt, group, kind]
+    return get
+
+
+@pytest.mark.parametrize("fmt,group,kind", [("fp8", 128, "plain"), ("fp8", 96, "plain"), ("fp8", 384, "plain"),
+                                            ("mxfp4", 32, "plain"), ("mxfp4", 32, "extreme"), ("nvfp4", 16, "plain")])
+@pytest.mark.parametrize("variant,is_amx", [("chunked", False), ("chunked", True), ("rows", True)])
+def test_chunks_across_groups(kernels, wide_layers, variant, is_amx, fmt, group, kind):
+    """H = 800: gate/up rows in chunks of 512 and 288 columns (`prefill_amx_float.CHUNK`), FP8 groups that end
+    inside a chunk (96), run over two (384: their C tiles reloaded) or end with the row (128: a last group of 32);
+    NVFP4's and folded MXFP4's one group across both chunks, unfolded MXFP4's groups of one step; I = 288 in two
+    partitions (one for FP8 group 384). 1, 3, 17 and 300 tokens (300 at top-2: 2-3 passes of two column tiles an
+    expert). With AMX-BF16 also the first kernels
+    (`prefill_amx_float_rows`, kept for A/B timing) on the real tiles: their only test, as they are not what runs."""
+    if is_amx and not prefill_amx_float.has_amx_bf16():
+        pytest.skip("this CPU has no AMX-BF16")
+    layer, (gate, up, down) = wide_layers(fmt, group, kind)
+    assert prefill_amx_float.is_supported(layer)
+    pair = {("chunked", False): kernels, ("chunked", True): None, ("rows", True): prefill_amx_float_rows.kernels()}
+    op = prefill_amx_float.FloatAmxPrefill(layer, Workspace(), pair[variant, is_amx])
+    gen = torch.Generator().manual_seed(6)
+    for seed, (num_tokens, top_k) in enumerate([(1, 8), (3, 2), (17, 8), (300, 2)]):
+        ids, w = routing(num_tokens, top_k, seed)
+        x = torch.randn(num_tokens, WIDE_H, generator=gen)
         want = moe_reference(x, gate, up, down, ids, w, bf16_activations=True)
         got = torch.from_numpy(op(x.numpy(), route(ids.numpy(), w.numpy(), E)))
         assert_close(got, want, flip_bound(x, gate, up, down, ids, w), f"{num_tokens} tokens, top-{top_k}")
