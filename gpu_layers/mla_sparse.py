@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu_layers import mla, mla_cases
+from gpu_layers import mla, mla_absorb, mla_cases
 from gpu_layers.capability import CAPABILITIES, GateCase, capability_of, num_sms, select
 from gpu_layers.mla import (
     LOG2E,
@@ -47,6 +47,8 @@ from gpu_layers.mla import (
     _check_out,
     _require,
     _tile_mask,
+    absorb_output,
+    absorb_query,
     block_dim,
     check_layer_inputs,
     mla_decode_reduce_kernel,
@@ -214,9 +216,9 @@ def mla_sparse(
         num_splits = default_num_splits(num_rows, num_head_blocks, num_selected, cfg.block_n, num_sms(device))
     _require(1 <= num_splits <= MAX_SPLITS, f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
 
-    w_kv_b = w_kv_b.view(num_heads, nope_dim + v_head_dim, rank)
-    q_latent = torch.bmm(q_nope.transpose(0, 1), w_kv_b[:, :nope_dim])  # [H, N, R]: q_nope W_UK per head
-    o_latent = torch.empty_like(q_latent)  # [H, N, R], the layout the second bmm reads
+    use_kernels = mla_absorb.is_supported(w_kv_b, q_nope, out)
+    q_latent = absorb_query(q_nope, w_kv_b, nope_dim, v_head_dim, use_kernels)  # [H, N, R]
+    o_latent = torch.empty_like(q_latent)  # [H, N, R], the layout the output absorption reads
     # One split writes o_latent itself; the partials' pointers are then unused (but typed as the gate compiled).
     partial_shape = (num_rows, num_heads, num_splits) if num_splits > 1 else (0, 0, 0)
     o_part = torch.empty(*partial_shape, rank, dtype=torch.float32, device=device)
@@ -235,8 +237,7 @@ def mla_sparse(
             o_part, lse_part, o_latent, num_heads, num_splits, o_latent.stride(1), o_latent.stride(0),
             R=rank, BLOCK_R=block_dim(rank), num_warps=REDUCE_WARPS,
         )
-    out.copy_(torch.bmm(o_latent, w_kv_b[:, nope_dim:].transpose(1, 2)).transpose(0, 1))  # o_latent W_UV^T
-    return out
+    return absorb_output(o_latent, w_kv_b, nope_dim, v_head_dim, out, use_kernels)
 
 
 # ---------------------------------------------------------------------------------------------------- gate, bench
