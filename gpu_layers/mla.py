@@ -6,12 +6,13 @@ Dv = v_head_dim, R = kv_lora_rank):
   the rotated rope key kr (Dr), shared by all heads. w_kv_b [H * (Dn + Dv), R] is kv_b_proj.weight: per head Dn
   rows W_UK (c -> k_nope) then Dv rows W_UV (c -> v).
 - Decode, `mla_decode` (one new token per sequence, q [B, H, *]): weight absorption. Since
-  q_nope . (W_UK c) = (q_nope W_UK) . c, the query is moved into latent space once, q_latent [B, H, R]
-  (torch.bmm), and the kernel scores every head against the latents directly:
-  score = (q_latent . c + q_rope . kr) * scale, o_latent = softmax(score) @ c [B, H, R]; then
-  out = o_latent W_UV^T [B, H, Dv] (torch.bmm). The cache is read once per step (R + Dr values per token) for a
-  block of heads at a time instead of being expanded per head; with 128 heads that makes decode about as
-  compute-bound as memory-bound (some 240 flops per byte read).
+  q_nope . (W_UK c) = (q_nope W_UK) . c, the query is moved into latent space once, q_latent [H, B, R]
+  (`mla_absorb.absorb_query`), and the kernel scores every head against the latents directly:
+  score = (q_latent . c + q_rope . kr) * scale, o_latent = softmax(score) @ c [H, B, R]; then
+  out = o_latent W_UV^T [B, H, Dv] (`mla_absorb.absorb_output`, straight into out; torch.bmm and a copy where
+  those kernels do not take the tensors: a non-contiguous weight, a strided last dim). The cache is read once
+  per step (R + Dr values per token) for a block of heads at a time instead of being expanded per head; with 128
+  heads that makes decode about as compute-bound as memory-bound (some 240 flops per byte read).
   The context is split over `num_splits` programs per (sequence, head block) so that small batches still fill the
   GPU (flash decoding); each split writes a normalised partial and its log-sum-exp, and a reduce kernel merges
   them. Grids depend on shapes and host ints only, so decode can be captured in a CUDA graph.

@@ -271,3 +271,36 @@ def gate_cases() -> list[GateCase]:
                                               f"{kernel.__name__} {dtype} {model} BLOCK_B={block_b} {cfg}",
                                               cfg.num_warps, cfg.num_stages))
     return cases
+
+
+# ---------------------------------------------------------------------------------------------------- bench
+
+def bench_cases() -> list[tuple]:
+    """Each absorption at DeepSeek-V3.2's dims (128 heads) and GLM-5's (64 heads), bf16, batch 1 and 8, against
+    the torch.bmm it replaced (the output's with its transposing copy into out). Bytes: the weight half read
+    (W_UK or W_UV, the bulk), the rows in and out; flops: the products."""
+    device, dtype, cases = torch.device("cuda"), torch.bfloat16, []
+    for model, dims in GATED_MODELS.items():
+        h = {"deepseek-v3.2": 128, "glm-5": 64}[model]
+        dn, dv, r = dims["nope_dim"], dims["v_head_dim"], dims["rank"]
+        w = torch.randn(h * (dn + dv), r, device=device, dtype=dtype) / r**0.5
+        w_heads = w.view(h, dn + dv, r)
+        for batch in (1, 8):
+            q = torch.randn(batch, h, dn, device=device, dtype=dtype)
+            o = torch.randn(h, batch, r, device=device, dtype=dtype)
+            q_latent = torch.empty(h, batch, r, device=device, dtype=dtype)
+            out = torch.empty(batch, h, dv, device=device, dtype=dtype)
+            size = w.element_size()
+            cases.append((
+                f"absorb_query {model} B={batch}",
+                lambda q=q, w=w, q_latent=q_latent, dn=dn: absorb_query(q, w, dn, out=q_latent),
+                (h * dn * r + batch * h * (dn + r)) * size, 2 * batch * h * dn * r,
+                lambda q=q, w_heads=w_heads, q_latent=q_latent, dn=dn: torch.bmm(
+                    q.transpose(0, 1), w_heads[:, :dn], out=q_latent)))
+            cases.append((
+                f"absorb_output {model} B={batch}",
+                lambda o=o, w=w, out=out, dn=dn, dv=dv: absorb_output(o, w, dn, dv, out=out),
+                (h * dv * r + batch * h * (r + dv)) * size, 2 * batch * h * dv * r,
+                lambda o=o, w_heads=w_heads, out=out, dn=dn: out.copy_(torch.bmm(
+                    o, w_heads[:, dn:].transpose(1, 2)).transpose(0, 1))))
+    return cases
