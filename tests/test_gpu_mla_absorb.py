@@ -3,13 +3,15 @@ and output absorptions for 1, 3 and 17 rows (one row block, and two of the large
 float16, at small odd dims (no dim a power of two or a multiple of a tile) and at DeepSeek-V3.2's and GLM-5's dims
 with few heads; the weight as [H * (Dn + Dv), R] and as its [H, Dn + Dv, R] view; strided inputs, and outputs
 that are views into larger NaN-poisoned buffers (the rest checked untouched); the launchers' checks and gate cases;
-full-size heads on the GPU. mla_decode and mla_sparse, which call these, are tested in their own files."""
+full-size heads on the GPU; mla_decode and mla_sparse keeping torch.bmm for a strided weight (the rest of those
+two is tested in their own files)."""
 
 import pytest
 import torch
 from gpu_support import DEVICE, IS_INTERPRETED
+from test_gpu_mla import SMALL, assert_matches, expected, make_problem
 
-from gpu_layers import mla_absorb
+from gpu_layers import mla, mla_absorb, mla_sparse
 from gpu_layers.capability import CAPABILITIES, select
 
 ODD = dict(num_heads=3, nope_dim=40, v_head_dim=24, rank=72)
@@ -160,6 +162,24 @@ def test_launcher_errors():
     if DEVICE.type == "cuda":
         with pytest.raises(ValueError, match="w_kv_b must be on"):
             mla_absorb.absorb_query(q, w.cpu(), 40)
+
+
+def test_strided_weight_keeps_the_bmm_path():
+    """mla_decode and mla_sparse with w_kv_b a column slice of a wider buffer (not contiguous: the kernels do not
+    take it, torch.bmm does) and with its contiguous copy (the kernels) agree with the oracle alike."""
+    p = make_problem([(6, 1), (20, 1)], 16, SMALL, torch.float32, seed=12)
+    wide = torch.full((p["w_kv_b"].shape[0], p["w_kv_b"].shape[1] + 8), float("nan"), device=DEVICE)
+    wide[:, :-8] = p["w_kv_b"]
+    strided = wide[:, :-8]
+    assert not mla_absorb.is_supported(strided, p["q_nope"]) and mla_absorb.is_supported(p["w_kv_b"], p["q_nope"])
+    # every position selected: sparse attention is the dense oracle
+    selected = torch.tensor([list(range(7)) + [-1] * 14, list(range(21))], dtype=torch.int32, device=DEVICE)
+    row_seq = torch.arange(2, dtype=torch.int32, device=DEVICE)
+    for w in (strided, p["w_kv_b"]):
+        args = (p["q_nope"], p["q_rope"], p["latent_cache"], w, p["block_tables"])
+        assert_matches(mla.mla_decode(*args, p["seq_lens"], p["scale"], p["v_head_dim"]), expected(p), torch.float32)
+        sparse = mla_sparse.mla_sparse(*args, row_seq, selected, p["scale"], p["v_head_dim"])
+        assert_matches(sparse, expected(p), torch.float32)
 
 
 def test_gate_cases_cover_every_config_and_dtype():
