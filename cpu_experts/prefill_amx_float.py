@@ -210,6 +210,10 @@ class FloatAmxPrefill:
         self.ws = workspace
         self.cfg = tile_config()
         if kernels is None:
+            # the tiles without the process's permission (requested by has_amx_bf16) are an illegal instruction
+            if not has_amx_bf16():
+                raise RuntimeError("FloatAmxPrefill's tile kernels need AMX-BF16 and the tile permission, which "
+                                   "this process lacks (has_amx_bf16() is False); pass kernels= to run others")
             from cpu_experts import prefill_amx_float_chunked  # built on this module's pieces: imported here
 
             kernels = prefill_amx_float_chunked.kernels()

@@ -245,3 +245,12 @@ def test_operator_takes_the_path_on_amx_bf16(kernels, layers, monkeypatch, is_am
     assert calls == [40]
     want = moe_reference(x, gate, up, down, ids, w, bf16_activations=True)
     assert_close(got, want, flip_bound(x, gate, up, down, ids, w), "through CpuMoE")
+
+
+def test_tile_kernels_need_the_permission(layers, monkeypatch):
+    """Without AMX-BF16 or the tile permission the default kernels are refused with a message, not run (an illegal
+    instruction ends the process)."""
+    layer, _ = layers("nvfp4", 16, "plain", 1)
+    monkeypatch.setattr(prefill_amx_float, "has_amx_bf16", lambda: False)
+    with pytest.raises(RuntimeError, match="tile permission"):
+        prefill_amx_float.FloatAmxPrefill(layer, Workspace())
