@@ -18,8 +18,8 @@ model's hidden states) count as zero here.
 
 Operands (the tile layouts of `prefill_amx`, 64 bytes a tile row = 32 bf16 columns a step):
 - A: a task's weight rows converted to bf16 by vector IR into a per-thread buffer: CHUNK columns of its 32 rows at
-  a time, multiplied while in L1 (`prefill_amx_float_chunked`, the kernels the launcher runs); the first kernels
-  (whole rows into a scratch: `prefill_amx_float_rows`) stay for A/B timing.
+  a time, multiplied while in L1 (`prefill_amx_float_chunked`). The first kernels converted whole rows into a
+  scratch; the chunked ones replaced them at 1.39-1.54x with the same outputs bit for bit (docs/benchmarks.md).
 - B: the call's bf16 activations in AMX's pair layout (row r of a tile = the 4-byte column pair r of 16 tokens),
   packed once per call (`prefill_amx.pack_vnni` on bf16 rows viewed as pairs).
 All offsets handed to the tile functions are in bytes. `reference_kernels` replaces the tile instructions by a
@@ -240,8 +240,8 @@ class FloatAmxPrefill:
         pack_vnni(x_bf16.view(torch.int32).numpy(), r.pair_token, r.offsets, col_offsets, x_v)
         num_threads = numba.get_num_threads()
         width = max(hidden, *(p.size for p in self.layer.partitions))
-        # per thread, room for either kernel pair: whole rows (`prefill_amx_float_rows`) or a chunk and the passes'
-        # C tiles
+        # per thread: a chunk and the passes' C tiles, in the room the first kernels' whole rows took (what ran on
+        # AMX; not tightened without a device run)
         scratch = ws.array("a_bf16", (num_threads, 2 * TILE_ROWS * max(width, CHUNK)), np.uint16)
         floats = max(2 * TILE_ROWS * (width // STEP), 2 * (-(-max_ct // 2)) * C_FLOATS + 2 * TILE_ROWS)
         row_scales = ws.array("a_scales", (num_threads, floats), np.float32)

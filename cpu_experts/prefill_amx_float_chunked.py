@@ -1,8 +1,8 @@
 """The AMX-BF16 kernels of `cpu_experts.prefill_amx_float` that run: a task's 32 weight rows converted to bf16 a
 chunk of CHUNK columns at a time, each chunk multiplied against all of the task's column tiles while it is in L1.
 
-Why (DeepSeek-V3 at 512 tokens: ~16 tokens an expert, one column tile): the first kernels (kept for A/B
-timing: `prefill_amx_float_rows`) converted a task's whole rows (32 x 7168 bf16 = 448 KiB for gate/up) into a
+Why (DeepSeek-V3 at 512 tokens: ~16 tokens an expert, one column tile): the first kernels (replaced by these:
+1.39-1.54x, the same outputs bit for bit) converted a task's whole rows (32 x 7168 bf16 = 448 KiB for gate/up) into a
 per-thread scratch, then ran the tiles over it. A core streams only ~6-7 GB/s from DRAM, and it streamed only
 while converting: the tile and scaling phases left its share of the bandwidth idle, and the scratch went through
 L2 twice (written, then read by the tile loads). Per FP8 group (4 tile steps) `_scale_add` then ran a scalar loop

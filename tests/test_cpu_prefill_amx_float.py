@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from cpu_experts import formats, prefill_amx_float, prefill_amx_float_rows
+from cpu_experts import formats, prefill_amx_float
 from cpu_experts.expert_file import ALLOWED_SCALES, ExpertLayerSpec, dequantize_matrix
 from cpu_experts.operator import CpuMoE, route
 from cpu_experts.packed import PackedLayer
@@ -169,20 +169,18 @@ def wide_layers():
 
 @pytest.mark.parametrize("fmt,group,kind", [("fp8", 128, "plain"), ("fp8", 96, "plain"), ("fp8", 384, "plain"),
                                             ("mxfp4", 32, "plain"), ("mxfp4", 32, "extreme"), ("nvfp4", 16, "plain")])
-@pytest.mark.parametrize("variant,is_amx", [("chunked", False), ("chunked", True), ("rows", True)])
-def test_chunks_across_groups(kernels, wide_layers, variant, is_amx, fmt, group, kind):
+@pytest.mark.parametrize("is_amx", [False, True])
+def test_chunks_across_groups(kernels, wide_layers, is_amx, fmt, group, kind):
     """H = 800: gate/up rows in chunks of 512 and 288 columns (`prefill_amx_float.CHUNK`), FP8 groups that end
     inside a chunk (96), run over two (384: their C tiles reloaded) or end with the row (128: a last group of 32);
     NVFP4's and folded MXFP4's one group across both chunks, unfolded MXFP4's groups of one step; I = 288 in two
     partitions (one for FP8 group 384). 1, 3, 17 and 300 tokens (300 at top-2: 2-3 passes of two column tiles an
-    expert). With AMX-BF16 also the first kernels
-    (`prefill_amx_float_rows`, kept for A/B timing) on the real tiles: their only test, as they are not what runs."""
+    expert). On the tile reference, and with AMX-BF16 on the real tiles."""
     if is_amx and not prefill_amx_float.has_amx_bf16():
         pytest.skip("this CPU has no AMX-BF16")
     layer, (gate, up, down) = wide_layers(fmt, group, kind)
     assert prefill_amx_float.is_supported(layer)
-    pair = {("chunked", False): kernels, ("chunked", True): None, ("rows", True): prefill_amx_float_rows.kernels()}
-    op = prefill_amx_float.FloatAmxPrefill(layer, Workspace(), pair[variant, is_amx])
+    op = prefill_amx_float.FloatAmxPrefill(layer, Workspace(), None if is_amx else kernels)
     gen = torch.Generator().manual_seed(6)
     for seed, (num_tokens, top_k) in enumerate([(1, 8), (3, 2), (17, 8), (300, 2)]):
         ids, w = routing(num_tokens, top_k, seed)
