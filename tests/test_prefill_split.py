@@ -400,3 +400,16 @@ def test_auto_streams_through_the_ring_where_no_split_wins():
     module.streamed.rates = FREE_CPU
     on_cpu, streamed, _ = module.streamed.split(cpu_ids)
     assert streamed is None and set(on_cpu[on_cpu >= 0].tolist()) == {0, 1, 3, 4, 6}
+
+
+def test_the_bench_reports_the_rates_auto_costs_from():
+    from dataclasses import asdict
+
+    from hybrid.bench_engine import split_rates
+
+    module = split_layer(None, 1)
+    module.streamed.rates = DEVICE_RATES
+    model = torch.nn.ModuleList([module])
+    assert split_rates(types.SimpleNamespace(engine_config=EngineConfig(prefill_cpu_share="auto"), model=model)) \
+        == asdict(DEVICE_RATES)
+    assert split_rates(types.SimpleNamespace(engine_config=EngineConfig(prefill_cpu_share=0.5), model=model)) is None
