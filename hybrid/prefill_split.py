@@ -6,8 +6,8 @@ the experts the step routes to (less the GPU-resident ones) split into a CPU set
 the executor's thread while the GPU works, and a streamed set, copied and computed on the GPU; the outputs add up.
 
 The step model (`PrefillRates.step_seconds`), per layer, for the k experts with the fewest tokens on the CPU:
-- the CPU: `cpu_token_seconds` for every token of the step (the operator quantizes, packs and sums all T rows, and
-  they cross to the host and back) plus, per expert, the seconds measured for its token count
+- the CPU: `cpu_token_seconds` for every token of the step (the operator converts and quantizes all T rows and
+  writes all T outputs, whatever its share of the pairs) plus, per expert, the seconds measured for its token count
   (`cpu_expert_seconds`: the operator's time per expert at a few tokens per expert, interpolated; AMX pads an
   expert's tokens to tiles of 16 and reads its weights once, so the time is far from proportional to the tokens);
 - the streamed side: each expert's stored bytes over the link plus its tokens' FLOPs on the GPU;
@@ -17,9 +17,10 @@ The step model (`PrefillRates.step_seconds`), per layer, for the k experts with 
 A step with nothing on the CPU runs as `prefill_cpu_share` 0: the ring, no host sync, the link's time alone.
 
 "auto" takes the k of the least predicted time, and only if that beats the all-streamed step by `min_gain` (else
-0): a split must win on the model by a margin, so an error in the rates costs at most that margin's worth of
-misjudgement before auto keeps share 0's step. `StreamedPrefill` first asks the model about the step's expected
-counts (T x K / E tokens each, `may_split`) and takes share 0's ring without any host sync when no split wins.
+0): a split must win on the model by a margin, and the model credits a split with less overlap than the device's
+split steps got, so a split is chosen only where it wins with room to spare. `StreamedPrefill` first asks the
+model about the step's expected counts (T x K / E tokens each, `may_split`) and takes share 0's ring, without any
+host sync, when no split wins.
 A fixed share (`EngineConfig.prefill_cpu_share`, tests and benchmarks) gives the CPU that fraction of the routed
 experts, fewest tokens first: 0 streams them all (the ring of `hybrid.streaming`, no host sync), 1 computes them
 all on the CPU. The rates: the link's and the CPU operator's measured after loading (`measure_link`,
@@ -119,9 +120,9 @@ def plan_cpu_experts(tokens: np.ndarray, flops_per_token: int, expert_bytes: int
     order = routed[np.lexsort((routed, tokens[routed]))]  # fewest tokens first, ties by id
     if share is not None:
         return np.sort(order[:round(share * len(order))])
-    seconds = rates.step_seconds(tokens[order], num_tokens, flops_per_token, expert_bytes)
     if len(order) == 0:
         return order
+    seconds = rates.step_seconds(tokens[order], num_tokens, flops_per_token, expert_bytes)
     num_cpu = 1 + int(np.argmin(seconds[1:]))  # the first minimum: fewer on the CPU when tied
     if not seconds[num_cpu] < (1 - rates.min_gain) * seconds[0]:  # a tie streams: a split must gain
         return order[:0]
@@ -161,8 +162,8 @@ def measure_cpu(cpu: CpuExperts, top_k: int, rates: PrefillRates,
     """`rates` with the CPU operator's seconds measured on a loaded layer (after a call that compiles its kernels;
     the faster of two calls each): per token, from a step of the largest call's tokens routed one pair; per expert
     at each of `tokens_per_expert`, from a call routing every expert that many tokens (T x K pairs, K consecutive
-    experts a token), less the per-token part. Tens of milliseconds for a Qwen3-30B-A3B layer, ~1.5 s for a
-    DeepSeek-V3 one."""
+    experts a token), less the per-token part. About 0.1 s for a Qwen3-30B-A3B layer, 2 s for a DeepSeek-V3
+    one."""
     layer = cpu.op.layer
     num_experts, hidden_size = layer.spec.num_experts, layer.spec.hidden_size
 
