@@ -21,7 +21,7 @@ import argparse
 import json
 import tempfile
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -311,6 +311,15 @@ def split_cpu_fraction(llm: LLM) -> float | None:
     return sum(c[0] for c in counts) / total if total else None
 
 
+def split_rates(llm: LLM) -> dict | None:
+    """The rates `--prefill-cpu-share auto` costs its splits from (`hybrid.prefill_split`, measured at start-up);
+    None for a fixed share or nothing streamed."""
+    if llm.engine_config.cpu_share is not None:
+        return None
+    streamed = [m.streamed for m in llm.model.modules() if isinstance(m, RoutedExperts) and m.streamed is not None]
+    return asdict(streamed[0].rates) if streamed else None
+
+
 def _warm_up(engine: Engine, llm: LLM, args, spec: GuidedSpec | None = None) -> None:
     """The measured work once, shortened, so that every kernel it reaches is compiled before the timing: numba
     compiles a kernel on its first call (up to seconds), and a step split unlike the warm-up's (prompts over two
@@ -394,6 +403,7 @@ def run(args) -> dict:
             "deferral_kl": kl, "streamed_gb": None if streamed_bytes is None else streamed_bytes / 1e9,
             "link_gb_s": None if link_bw is None else link_bw / 1e9, "profile": profile_rows,
             "prefill_cpu_share": config.prefill_cpu_share, "split_cpu_fraction": split_cpu_fraction(llm),
+            "split_rates": split_rates(llm),
             "num_layers": llm.config.num_layers,
             # SMT siblings spin in the decode pool too: whether the host's CPUs are cores or threads of them
             "num_cpus": len(allowed_cpus()), "num_physical_cores": physical_cores(allowed_cpus()), **guided}
@@ -469,6 +479,11 @@ def main(argv: list[str], mode: str) -> int:
     if row["split_cpu_fraction"] is not None:
         print(f"prefill split ({row['prefill_cpu_share']}): {row['split_cpu_fraction']:.0%} of the routed "
               f"CPU-resident experts computed on the CPU, the rest streamed")
+    if row["split_rates"] is not None:
+        rates = row["split_rates"]
+        print("prefill split rates: CPU " + ", ".join(f"{at} tokens an expert {s * 1e6:.0f} us"
+                                                      for at, s in rates["cpu_expert_seconds"])
+              + f", {rates['cpu_token_seconds'] * 1e6:.2f} us a token; link {rates['link_bytes_per_s'] / 1e9:.1f} GB/s")
     if row["deferral_kl"] is not None:
         print(f"defer_experts {row['defer_experts']}: KL(exact || deferred) {row['deferral_kl']:.2e} nats/token")
     return 0

@@ -374,7 +374,7 @@ class LLM:
                        prefill_cpu_share=cfg.cpu_share)
 
     def _measure_prefill_rates(self, streamed: list) -> None:
-        """The rates every streamed layer's split is balanced on (`hybrid.prefill_split`), measured once after
+        """The rates every streamed layer's split is costed from (`hybrid.prefill_split`), measured once after
         loading where the split is "auto": the link's, and the CPU operator's on the first streamed layer."""
         if not streamed or self.engine_config.cpu_share is not None:
             return

@@ -40,7 +40,7 @@ from cpu_experts.packed import PackedLayer
 from gpu_layers.dequant import dequantize_fp4, dequantize_fp8, dequantize_int4, dequantize_int8
 from gpu_layers.fused_moe import Activation, fused_moe
 from hybrid.engine_config import EngineConfig
-from hybrid.prefill_split import PrefillRates, flops_per_pair, plan_cpu_experts
+from hybrid.prefill_split import PrefillRates, flops_per_pair, may_split, plan_cpu_experts
 
 STREAMED_DTYPES = ("int8", "int4", "bf16", "fp8", "mxfp4", "nvfp4")
 # gpu_prefill_tokens="auto": stream a step's experts once each gets this many of its tokens on average. On the H200
@@ -197,7 +197,7 @@ class StreamedPrefill:
     def __init__(self, cpu: CpuExperts, min_tokens: int, device: torch.device | str, cpu_share: float | None = 0.0,
                  rates: PrefillRates | None = None):
         """`cpu_share`: the fraction of a step's routed experts the CPU computes beside the streamed ones (None:
-        balanced on `rates`, `hybrid.prefill_split`; 0: all streamed)."""
+        chosen on `rates`, `hybrid.prefill_split`; 0: all streamed)."""
         self.cpu_experts = cpu
         self.min_tokens = min_tokens
         self.cpu_share = cpu_share
@@ -237,16 +237,21 @@ class StreamedPrefill:
     def split(self, topk_ids: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, np.ndarray | None]:
         """A streamed step's CPU-resident ids [T, K] (-1: elsewhere) -> (the CPU operator's ids or None, the streamed
         ids or None, the streamed experts or None: all of them through the ring). A share strictly between 0 and 1
-        or "auto" reads the step's per-expert token counts (one host sync a layer)."""
+        or "auto" reads the step's per-expert token counts (one host sync a layer), but "auto" streams as share 0
+        does, with no host sync, a step whose even routing would not split (`hybrid.prefill_split.may_split`)."""
         if self.cpu_share == 0:
             return None, topk_ids, None
         if self.cpu_share == 1:
             return topk_ids, None, None
         ids = topk_ids.long()
         layer = self.cpu_experts.op.layer
-        num_experts = layer.spec.num_experts
+        num_experts, num_tokens = layer.spec.num_experts, topk_ids.shape[0]
+        flops, expert_bytes = flops_per_pair(layer), layer.expert_bytes()
+        if self.cpu_share is None and not may_split(num_tokens, num_experts, topk_ids.shape[1], flops, expert_bytes,
+                                                    self.rates):
+            return None, topk_ids, None
         counts = torch.bincount(ids[ids >= 0], minlength=num_experts).cpu().numpy()
-        on_cpu = plan_cpu_experts(counts, flops_per_pair(layer), layer.expert_bytes(), self.rates, self.cpu_share)
+        on_cpu = plan_cpu_experts(counts, flops, expert_bytes, self.rates, self.cpu_share, num_tokens)
         streamed = np.setdiff1d(np.flatnonzero(counts), on_cpu)
         self.num_split_experts[0] += on_cpu.size
         self.num_split_experts[1] += streamed.size
