@@ -157,6 +157,17 @@ def is_supported(w_kv_b: torch.Tensor, *activations: torch.Tensor) -> bool:
             and all(t.dtype == w_kv_b.dtype and t.stride(-1) == 1 for t in activations))
 
 
+def _checked_out(out: torch.Tensor | None, shape: tuple[int, int, int], like: torch.Tensor) -> torch.Tensor:
+    """`out` (allocated contiguous if None) checked to be `shape` in like's dtype and device with unit last stride."""
+    if out is None:
+        return like.new_empty(shape)
+    _require(tuple(out.shape) == shape and out.dtype == like.dtype and out.device == like.device
+             and (out.numel() == 0 or out.stride(2) == 1),
+             f"out must be {list(shape)} {like.dtype} on {like.device} with unit last stride, got "
+             f"{tuple(out.shape)} {out.dtype} strides {out.stride()}")
+    return out
+
+
 def absorb_query(q_nope: torch.Tensor, w_kv_b: torch.Tensor, nope_dim: int,
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """q_nope [B, H, Dn] (unit last stride), w_kv_b [H * (Dn + Dv), R] -> q_latent [H, B, R] (out: unit last
@@ -170,12 +181,7 @@ def absorb_query(q_nope: torch.Tensor, w_kv_b: torch.Tensor, nope_dim: int,
     dv, rank = w.shape[1] - nope_dim, w.shape[2]
     _require(dv >= 1 and rank >= 1, f"w_kv_b must have more than nope_dim={nope_dim} rows a head and a rank >= 1, "
              f"got {tuple(w.shape)} as [H, Dn + Dv, R]")
-    if out is None:
-        out = q_nope.new_empty(num_heads, num_rows, rank)
-    _require(tuple(out.shape) == (num_heads, num_rows, rank) and out.dtype == q_nope.dtype
-             and out.device == q_nope.device and (out.numel() == 0 or out.stride(2) == 1),
-             f"out must be [{num_heads}, {num_rows}, {rank}] {q_nope.dtype} on {q_nope.device} with unit last "
-             f"stride, got {tuple(out.shape)} {out.dtype} strides {out.stride()}")
+    out = _checked_out(out, (num_heads, num_rows, rank), q_nope)
     if num_rows == 0:
         return out
     cfg = select(QUERY_CONFIGS, capability_of(q_nope.device))[q_nope.element_size()]
@@ -201,12 +207,7 @@ def absorb_output(o_latent: torch.Tensor, w_kv_b: torch.Tensor, nope_dim: int, v
     _require(nope_dim >= 0 and v_head_dim >= 1 and w.shape[1:] == (nope_dim + v_head_dim, rank),
              f"w_kv_b must be [{num_heads} * ({nope_dim} + {v_head_dim}), {rank}] for nope_dim={nope_dim}, "
              f"v_head_dim={v_head_dim} and o_latent's rank, got {tuple(w_kv_b.shape)}")
-    if out is None:
-        out = o_latent.new_empty(num_rows, num_heads, v_head_dim)
-    _require(tuple(out.shape) == (num_rows, num_heads, v_head_dim) and out.dtype == o_latent.dtype
-             and out.device == o_latent.device and (out.numel() == 0 or out.stride(2) == 1),
-             f"out must be [{num_rows}, {num_heads}, {v_head_dim}] {o_latent.dtype} on {o_latent.device} with unit "
-             f"last stride, got {tuple(out.shape)} {out.dtype} strides {out.stride()}")
+    out = _checked_out(out, (num_rows, num_heads, v_head_dim), o_latent)
     if num_rows == 0:
         return out
     cfg = select(OUTPUT_CONFIGS, capability_of(o_latent.device))[o_latent.element_size()]
