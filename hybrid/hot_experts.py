@@ -152,11 +152,11 @@ def staged_bytes(layer: PackedLayer) -> int:
 def stage(layer: PackedLayer, expert: int, host: torch.Tensor) -> tuple[list[dict], int]:
     """Copies expert `expert`'s stored arrays into the uint8 buffer `host`, each at an aligned offset -> (per
     partition: name -> (offset, device dtype, shape)), the bytes used)."""
-    layout, offset = [], 0
+    layout, offset, buffer = [], 0, host.numpy()
     for arrays in stored_arrays(layer, expert):
         placed = {}
         for name, array in arrays.items():
-            host[offset:offset + array.nbytes].copy_(torch.from_numpy(array.reshape(-1).view(np.uint8)))
+            buffer[offset:offset + array.nbytes] = array.reshape(-1).view(np.uint8)  # a memcpy
             placed[name] = (offset, DEVICE_DTYPES[array.dtype], array.shape)
             offset += _aligned(array.nbytes)
         layout.append(placed)
