@@ -241,7 +241,7 @@ class HotExperts:
         self.pending: list[PendingSwap] = []  # copies started, not flipped
         self._copies_per_step = 1
         self._freed: dict[tuple[int, int], torch.cuda.Event] = {}  # (layer, slot) -> recorded after its eviction
-        is_bf16 = all(m.slot_dtype == torch.bfloat16 for m in layers)
+        is_bf16 = bool(layers) and all(m.slot_dtype == torch.bfloat16 for m in layers)
         self._copier = SlotCopier(layers, self.device) if self.device.type == "cuda" and is_bf16 else None
         with torch.no_grad():
             if self._copier is not None:
