@@ -210,8 +210,9 @@ def _measure_decode(engine: Engine, llm: LLM, args, timer: CpuExpertsTimer) -> d
     prompts = [torch.randint(vocab, (args.context,)).tolist() for _ in range(args.batch)]
     runner = engine.runner.graphs
     replays = runner.num_replays if runner else 0
-    start = _graph_serving(engine)
+    start, swaps = _graph_serving(engine), _num_swaps(llm)
     seconds, step_seconds, tokens = _decode(engine, prompts, args.tokens + 1, timer)
+    swaps = None if swaps is None else _num_swaps(llm) - swaps  # the timed steps' (not the GPU-alone run's)
     rank_cpu = timer.rank_seconds
     waited, pool_s, pool_calls = (now - then for now, then in zip(_graph_serving(engine), start, strict=True))
     cpu, calls = timer.seconds + pool_s, timer.calls + pool_calls
@@ -223,7 +224,13 @@ def _measure_decode(engine: Engine, llm: LLM, args, timer: CpuExpertsTimer) -> d
     gpu_only_s = gpu_only_step_seconds(engine, llm, prompts, args.tokens + 1, timer)
     hot_s = hot_call_seconds(llm, engine, args.batch)
     return dict(seconds=seconds, step_seconds=step_seconds, cpu=cpu, tokens=tokens, calls=calls, hot_s=hot_s,
-                gpu_only_s=gpu_only_s, graph_steps=graph_steps, cpu_wait_s=cpu_wait_s, rank_cpu=rank_cpu)
+                gpu_only_s=gpu_only_s, graph_steps=graph_steps, cpu_wait_s=cpu_wait_s, rank_cpu=rank_cpu,
+                swaps=swaps)
+
+
+def _num_swaps(llm: LLM) -> int | None:
+    """Hot experts' swaps so far (None without hot experts)."""
+    return llm.hot_experts.num_swaps if llm.hot_experts is not None else None
 
 
 def measure_guided(engine: Engine, llm: LLM, args, spec: GuidedSpec, timer: CpuExpertsTimer) -> dict:
@@ -271,9 +278,11 @@ def _read_bandwidth(engine: Engine) -> ReadBandwidth:
 def _measure_prefill(engine: Engine, llm: LLM, args, timer: CpuExpertsTimer) -> dict:
     engine.add_request(torch.randint(llm.config.vocab_size, (args.tokens,)).tolist(), max_tokens=1,
                        ignore_eos=True)
+    swaps = _num_swaps(llm)
     seconds, step_seconds = _time_steps(engine, timer)
     return dict(seconds=seconds, step_seconds=step_seconds, cpu=timer.seconds, tokens=args.tokens, calls=0,
-                hot_s=None, gpu_only_s=None, graph_steps=0, cpu_wait_s=None, rank_cpu=timer.rank_seconds)
+                hot_s=None, gpu_only_s=None, graph_steps=0, cpu_wait_s=None, rank_cpu=timer.rank_seconds,
+                swaps=None if swaps is None else _num_swaps(llm) - swaps)
 
 
 def link_bytes_per_s(device: str, nbytes: int = 256 << 20) -> float:
@@ -388,7 +397,7 @@ def run(args) -> dict:
             "tensor_parallel_size": config.tensor_parallel_size,
             "cuda_graph": engine.runner.graphs is not None, "decode_pool": decode_pool_of(engine) is not None,
             "gpu_experts": llm.num_gpu_experts,
-            "hot_expert_swaps": llm.hot_experts.num_swaps if llm.hot_experts is not None else None,
+            "hot_expert_swaps": m["swaps"],  # in the timed steps
             "tokens_per_s": m["tokens"] / m["seconds"], "step_ms": step_s * 1e3, "steps": steps,
             "max_num_batched_tokens": engine.scheduler.max_num_batched_tokens,
             "max_prefill_tokens": engine.scheduler.max_prefill_tokens,

@@ -49,7 +49,8 @@ class HostSeconds:
     reads from outside to tell a constrained step's cost apart (masks, the matchers' accepts) from the rest."""
 
     schedule: float = 0.0  # the scheduler and the state copies it queued
-    run: float = 0.0  # inputs prepared and the forward pass launched (graph replay) or run (eager)
+    run: float = 0.0  # inputs prepared and the forward pass launched (graph replay) or run (eager); hot experts'
+    # copies started meanwhile
     masks: float = 0.0  # grammar masks filled, while the device computes the logits
     sample: float = 0.0  # the batched draw, its wait for the logits included
     update: float = 0.0  # tokens appended, matchers advanced, detokenized, finished; the step's CPU side checked
@@ -181,6 +182,8 @@ class Engine:
         launched = time.perf_counter()
         clock.schedule += launched - start
         logits = self.runner.execute_chunks(chunks)
+        if hot is not None:
+            hot.during_step()  # while the device runs the step: expert copies start (`hybrid.hot_experts`)
         clock.run += time.perf_counter() - launched
         outputs = self._update(chunks, logits)
         updated = time.perf_counter()

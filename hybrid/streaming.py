@@ -308,15 +308,16 @@ class StreamedPrefill:
             return torch.cat([gate.view(torch.bfloat16), up.view(torch.bfloat16)], dim=1), down.view(torch.bfloat16)
         num_experts, inter, hidden_size = gate.shape[0], gate.shape[1], down.shape[1]
         gate_up = torch.empty(num_experts, 2 * inter, hidden_size, dtype=torch.bfloat16, device=gate.device)
-        _dequantize(arrays, "gate", spec, hidden_size, gate_up[:, :inter])
-        _dequantize(arrays, "up", spec, hidden_size, gate_up[:, inter:])
-        return gate_up, _dequantize(arrays, "down", spec, inter)
+        dequantize_projection(arrays, "gate", spec, hidden_size, gate_up[:, :inter])
+        dequantize_projection(arrays, "up", spec, hidden_size, gate_up[:, inter:])
+        return gate_up, dequantize_projection(arrays, "down", spec, inter)
 
 
-def _dequantize(arrays: dict[str, torch.Tensor], role: str, spec: ExpertLayerSpec, num_cols: int,
-                out: torch.Tensor | None = None) -> torch.Tensor:
-    """One projection of a unit, K = `num_cols` (gate and up: H, down: the partition's Ip), -> bf16 [c, N, K]:
-    each stored weight dequantized as the format's reference does, rounded once to bf16."""
+def dequantize_projection(arrays: dict[str, torch.Tensor], role: str, spec: ExpertLayerSpec, num_cols: int,
+                          out: torch.Tensor | None = None) -> torch.Tensor:
+    """One projection of a unit (or of one partition of an expert: `hybrid.hot_experts`), K = `num_cols` (gate and
+    up: H, down: the partition's Ip), -> bf16 [c, N, K]: each stored weight dequantized as the format's reference
+    does, rounded once to bf16 (a quantized format: bf16 experts are their own tables)."""
     w, scales = arrays[role], arrays[f"{role}_scales"]
     if spec.dtype == "int8":
         return dequantize_int8(w, scales, out)
