@@ -48,7 +48,8 @@ class AbsorbConfig:
 
 # Keyed by capability, then element size. Chosen by offline compiles (no spill, a few KiB of shared memory) and
 # the grid size at the gated dims: 1024 programs at DeepSeek-V3.2's (128 heads x 8 column blocks) and 512 (query)
-# / 1024 (output) at GLM-5's, each streaming 16-24 KiB of weight. Not yet timed on a device.
+# / 1024 (output) at GLM-5's, each streaming 16-24 KiB of weight. Timed on the H200 with the bf16 configs
+# (docs/benchmarks.md): 1.02-1.12x the torch.bmm path they replaced.
 QUERY_CONFIGS = {
     89: {2: AbsorbConfig(64, 64, 4, 2), 4: AbsorbConfig(32, 64, 4, 2)},
     90: {2: AbsorbConfig(64, 64, 4, 3), 4: AbsorbConfig(32, 64, 4, 2)},
