@@ -355,7 +355,7 @@ def write_synthetic_fp8(path):
 
 @pytest.mark.parametrize("expert_dtype", ["auto", "int8"])
 def test_load_memory_stays_within_a_layer(tmp_path_factory, expert_dtype):
-    """Read and packed one layer at a time: the load's peak RSS growth stays under the resident growth plus 1.5
+    """Read and packed one layer at a time: the load's peak RSS growth stays under the resident growth plus 2.5
     layers of experts (FP8 kept as stored, or re-quantized to int8 from its dequantized values)."""
     import json
     import subprocess
@@ -374,4 +374,6 @@ def test_load_memory_stays_within_a_layer(tmp_path_factory, expert_dtype):
     assert layer > 8e6 and measured["resident"] > measured["experts"]
     print(f"{expert_dtype}: peak growth {measured['peak'] / 2**20:.1f} MiB, resident {measured['resident'] / 2**20:.1f}"
           f" MiB, experts {measured['experts'] / 2**20:.1f} MiB ({layer / 2**20:.1f} MiB a layer)")
-    assert measured["peak"] <= measured["resident"] + 1.5 * layer
+    # the transient over the resident growth measured 0.2-12.1 MiB (1.5 layers) from run to run (the allocator's
+    # arenas); holding every layer as read before packing them adds all 12 (~96 MiB): 2.5 layers tells them apart
+    assert measured["peak"] <= measured["resident"] + 2.5 * layer
