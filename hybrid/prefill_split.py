@@ -29,6 +29,7 @@ all on the CPU. The rates: the link's and the CPU operator's measured after load
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, replace
 
@@ -129,10 +130,12 @@ def plan_cpu_experts(tokens: np.ndarray, flops_per_token: int, expert_bytes: int
     return np.sort(order[:num_cpu])
 
 
+@functools.lru_cache(maxsize=256)
 def may_split(num_tokens: int, num_experts: int, top_k: int, flops_per_token: int, expert_bytes: int,
               rates: PrefillRates) -> bool:
     """Whether a step of `num_tokens` routed evenly (T x K / E tokens an expert, at least 1) would split on
-    `rates`: if not, "auto" streams the step as share 0 does, with no host sync to read its routing."""
+    `rates`: if not, "auto" streams the step as share 0 does, with no host sync to read its routing. Cached: every
+    streamed layer of a step asks with the same arguments."""
     pairs = num_tokens * top_k
     even = np.full(min(num_experts, pairs), max(1, pairs // num_experts), dtype=np.int64)
     return plan_cpu_experts(even, flops_per_token, expert_bytes, rates, num_tokens=num_tokens).size > 0
