@@ -36,6 +36,7 @@ from hybrid.engine import Engine, HostSeconds
 from hybrid.engine_config import EngineConfig
 from hybrid.layers.moe import SparseMoE
 from hybrid.llm import LLM
+from hybrid.prefill_split import measure_link
 from hybrid.rank_stats import cpu_seconds_by_rank
 from hybrid.routed_experts import RoutedExperts
 from hybrid.sampling import GuidedSpec, SamplingParams
@@ -285,20 +286,6 @@ def _measure_prefill(engine: Engine, llm: LLM, args, timer: CpuExpertsTimer) -> 
                 swaps=None if swaps is None else _num_swaps(llm) - swaps)
 
 
-def link_bytes_per_s(device: str, nbytes: int = 256 << 20) -> float:
-    """Host-to-device copy rate from page-locked memory (the median of 5 copies)."""
-    host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
-    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    times = []
-    for _ in range(5):
-        torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        dev.copy_(host, non_blocking=True)
-        torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return nbytes / sorted(times)[2]
-
-
 def streamed_bytes_per_step(llm: LLM, num_tokens: int) -> int | None:
     """Bytes a step of `num_tokens` copies to the GPU (`hybrid.streaming`); None when it is not streamed. A ring
     that holds every unit (a model of NUM_SLOTS units or fewer) copies nothing after the first step."""
@@ -380,7 +367,7 @@ def run(args) -> dict:
     llm.close()
     routed_tokens = args.tokens if args.mode == "prefill" else args.batch
     streamed_bytes = streamed_bytes_per_step(llm, routed_tokens)
-    link_bw = link_bytes_per_s(config.device) if streamed_bytes is not None else None
+    link_bw = measure_link(config.device, 256 << 20) if streamed_bytes is not None else None
     steps, step_times = len(m["step_seconds"]), sorted(m["step_seconds"])
     step_s, cpu_s = m["seconds"] / max(steps, 1), m["cpu"] / max(steps, 1)
     gpu_only_s = m["gpu_only_s"]
