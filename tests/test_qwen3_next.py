@@ -299,7 +299,8 @@ def test_kernel_path_matches_transformers(qwen3_next_kernel_dims):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_graph_decode_equals_eager(qwen3_next_kernel_dims):
     """Decode steps replayed as CUDA graphs read and write the recurrent states by slot (static slot buffers, padded
-    rows skipped): the graph engine generates what the eager engine does, batched with chunked prefill."""
+    rows skipped): the graph engine generates what the eager engine does over 100 steps, batched with chunked
+    prefill."""
     path, _ = qwen3_next_kernel_dims
     prompts = [random_prompt(n, seed=90 + n) for n in (1, 9, 21, 40)]  # a one-token prompt starts its state eagerly
     outputs = {}
@@ -307,7 +308,7 @@ def test_graph_decode_equals_eager(qwen3_next_kernel_dims):
         llm = make_llm(path, device="cuda", dtype="bfloat16", kernels="triton", cuda_graph=is_graph)
         engine = Engine(llm, max_num_batched_tokens=16, max_num_seqs=4)
         try:
-            outputs[is_graph] = engine.generate(prompts, max_tokens=24, ignore_eos=True)
+            outputs[is_graph] = engine.generate(prompts, max_tokens=100, ignore_eos=True)
             assert (engine.runner.graphs is not None and engine.runner.graphs.num_replays > 0) == is_graph
         finally:
             engine.close()
