@@ -332,10 +332,9 @@ def test_preemption_recomputes_the_same_tokens(dsa):
 @pytest.mark.parametrize("dsa", ["glm"], indirect=True)
 def test_glm_shared_layer_indexer_weights_are_skipped(dsa, tmp_path):
     """GLM-5.2's release ships no indexer weights on its shared layers, but a checkpoint derived from it may carry
-    them on every layer (GGUF conversions of GLM-5.2 do): loading skips them (`GlmMoeDsaForCausalLM
-    .is_ignored_tensor`), the shared layers still take the previous full layer's selection and the logits are the
-    release's. The stray weights are the previous full layer's, perturbed, so a shared layer that ran them would
-    select otherwise."""
+    them on every layer (GGUF conversions of GLM-5.2 do): loading skips them (the model's `is_ignored_tensor`), the
+    shared layers still take the previous full layer's selection and the logits are the release's. The stray
+    weights are the previous full layer's, perturbed, so a shared layer that ran them would select otherwise."""
     _, path, ref, llm = dsa
     for file in path.iterdir():
         shutil.copy(file, tmp_path / file.name)
@@ -409,7 +408,10 @@ def dsa_fp8(tmp_path_factory):
             cache[arch] = built
         return cache[arch]
 
-    return get
+    yield get
+    for built in cache.values():  # the CPU operator's worker threads
+        built["llm"].close()
+        built["device_llm"].close()
 
 
 def cpu_expert_dtypes(llm) -> list[str]:
@@ -444,8 +446,8 @@ def test_fp8_release_matches_the_dequantized_reference(dsa_fp8, arch):
 
 
 def test_fp8_release_converted_gives_the_direct_logits(dsa_fp8, tmp_path):
-    """`hybrid-convert` of GLM-5's FP8 release (shared indexer layers, the MTP layer skipped): the converted
-    directory keeps the experts' FP8 as stored and computes the direct load's logits exactly."""
+    """`hybrid-convert` of the GLM FP8 release (GLM-5.2's shared indexer layers, the MTP layer skipped): the
+    converted directory keeps the experts' FP8 as stored and computes the direct load's logits exactly."""
     built = dsa_fp8("glm")
     dst = tmp_path / "converted"
     assert convert_main([str(built["path"]), str(dst), "--threads", "2"]) == 0
