@@ -1,10 +1,11 @@
-"""Tiny Qwen3-Next and Qwen3.5-MoE checkpoints written by transformers (the Qwen3.5 one through its multimodal
-wrapper, with a tiny vision tower), and the CPU engine options their tests share."""
+"""Tiny Qwen3-Next, Qwen3.5-MoE and dense Qwen3.5 checkpoints written by transformers (the Qwen3.5 ones through
+their multimodal wrappers, with a tiny vision tower), and the CPU engine options their tests share."""
 
 from __future__ import annotations
 
 import torch
 
+from hybrid.engine import Engine
 from hybrid.llm import LLM
 
 NUM_LAYERS = 4  # layers 0-2 Gated DeltaNet, layer 3 full attention
@@ -46,6 +47,25 @@ def write_qwen3_5(transformers, path, **dims):
     return model
 
 
+def dense_text(**dims) -> dict:
+    """TEXT as the dense Qwen3.5 has it: no experts, one gated MLP of `intermediate_size` per layer."""
+    moe_keys = ("moe_intermediate_size", "shared_expert_intermediate_size", "num_experts", "num_experts_per_tok")
+    return {k: v for k, v in TEXT.items() if k not in moe_keys} | {"intermediate_size": 96} | dims
+
+
+def write_qwen3_5_dense(transformers, path, is_released: bool = True, **dims):
+    """Saves a perturbed random dense Qwen3.5 under `path`: as released (Qwen3_5ForConditionalGeneration, VISION, text
+    weights under `model.language_model.*`) or text only (Qwen3_5ForCausalLM); returns it."""
+    torch.manual_seed(0)
+    if is_released:
+        config = transformers.Qwen3_5Config(text_config=dense_text(**dims), vision_config=VISION)
+        model = perturbed(transformers.Qwen3_5ForConditionalGeneration(config))
+    else:
+        model = perturbed(transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**dense_text(**dims))))
+    model.save_pretrained(path)
+    return model
+
+
 def make_llm(path, **options) -> LLM:
     options = {"device": "cpu", "dtype": "float32", "expert_placement": "device", "max_model_len": MAX_MODEL_LEN,
                "max_num_seqs": 4} | options
@@ -54,3 +74,25 @@ def make_llm(path, **options) -> LLM:
 
 def random_prompt(length: int, seed: int = 0) -> list[int]:
     return torch.randint(0, TEXT["vocab_size"], (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def solo_tokens(llm, prompts, max_tokens) -> list[list[int]]:
+    """Each prompt's greedy tokens from an engine that runs it alone, in one prefill step."""
+    engine = Engine(llm, max_num_batched_tokens=MAX_MODEL_LEN, max_num_seqs=1)
+    try:
+        return [engine.generate([p], max_tokens=max_tokens, ignore_eos=True)[0] for p in prompts]
+    finally:
+        engine.close()
+
+
+def run_together(engine, prompts, max_tokens, on_step=None) -> list[list[int]]:
+    """The prompts added to `engine` at once and stepped to the end (`on_step(engine)` after each step); their
+    tokens, in order."""
+    ids = [engine.add_request(p, max_tokens=max_tokens, ignore_eos=True) for p in prompts]
+    for _ in range(2000):
+        if not engine.has_work():
+            break
+        engine.step()
+        if on_step is not None:
+            on_step(engine)
+    return [engine.requests.pop(i).output_ids for i in ids]

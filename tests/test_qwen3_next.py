@@ -16,6 +16,8 @@ from qwen3_next_support import (
     TEXT,
     make_llm,
     random_prompt,
+    run_together,
+    solo_tokens,
     write_qwen3_5,
     write_qwen3_next,
 )
@@ -172,25 +174,6 @@ def test_fused_experts_on_the_cpu_operator(qwen3_5, qwen3_5_fused, gpu_experts):
 # --- the engine's state slots ---
 
 
-def _solo(llm, prompts, max_tokens):
-    engine = Engine(llm, max_num_batched_tokens=MAX_MODEL_LEN, max_num_seqs=1)
-    try:
-        return [engine.generate([p], max_tokens=max_tokens, ignore_eos=True)[0] for p in prompts]
-    finally:
-        engine.close()
-
-
-def _run(engine, prompts, max_tokens, on_step=None):
-    ids = [engine.add_request(p, max_tokens=max_tokens, ignore_eos=True) for p in prompts]
-    for _ in range(2000):
-        if not engine.has_work():
-            break
-        engine.step()
-        if on_step is not None:
-            on_step(engine)
-    return [engine.requests.pop(i).output_ids for i in ids]
-
-
 def _slots_match_running(engine):
     stats = engine.stats()
     assert stats.num_state_slots - stats.num_free_state_slots == stats.num_running
@@ -198,10 +181,10 @@ def _slots_match_running(engine):
 
 def test_batched_chunked_prefill_gives_solo_tokens(next_llm):
     prompts = [random_prompt(n, seed=n) for n in (5, 60, 130, 17)]
-    solo = _solo(next_llm, prompts, 12)
+    solo = solo_tokens(next_llm, prompts, 12)
     engine = Engine(next_llm, max_num_batched_tokens=CHUNK, max_num_seqs=4)
     try:
-        assert _run(engine, prompts, 12, _slots_match_running) == solo
+        assert run_together(engine, prompts, 12, _slots_match_running) == solo
         stats = engine.stats()
         assert stats.num_free_state_slots == stats.num_state_slots == 4
     finally:
@@ -211,13 +194,13 @@ def test_batched_chunked_prefill_gives_solo_tokens(next_llm):
 def test_preemption_frees_slots_and_recomputes(qwen3_next):
     llm = make_llm(qwen3_next[0], kv_cache_tokens=MAX_MODEL_LEN)  # 16 pages: two 140-token requests need 18
     prompts = [random_prompt(110, seed=s) for s in (1, 2, 3)]
-    solo = _solo(llm, prompts, 30)
+    solo = solo_tokens(llm, prompts, 30)
     engine = Engine(llm, max_num_batched_tokens=CHUNK, max_num_seqs=3)
     preempted = []
     preempt = engine.scheduler.preempt
     engine.scheduler.preempt = lambda r: (preempted.append(r.request_id), preempt(r))
     try:
-        assert _run(engine, prompts, 30, _slots_match_running) == solo
+        assert run_together(engine, prompts, 30, _slots_match_running) == solo
         assert preempted
         assert engine.stats().num_snapshot_hits  # a preempted request resumed from its own state snapshot
         assert engine.stats().num_free_state_slots == engine.stats().num_state_slots
@@ -227,7 +210,7 @@ def test_preemption_frees_slots_and_recomputes(qwen3_next):
 
 def test_cancel_frees_the_slot(next_llm):
     prompts = [random_prompt(30, seed=7), random_prompt(12, seed=8)]
-    solo = _solo(next_llm, prompts[1:], 8)
+    solo = solo_tokens(next_llm, prompts[1:], 8)
     engine = Engine(next_llm, max_num_batched_tokens=CHUNK, max_num_seqs=2)
     try:
         first, second = (engine.add_request(p, max_tokens=8, ignore_eos=True) for p in prompts)
@@ -246,7 +229,7 @@ def test_cancel_frees_the_slot(next_llm):
 def test_exhausted_slot_pool_queues_requests(qwen3_next):
     llm = make_llm(qwen3_next[0], max_num_seqs=2)  # two state slots
     prompts = [random_prompt(n, seed=n) for n in (9, 14, 3, 22)]
-    solo = _solo(llm, prompts, 6)
+    solo = solo_tokens(llm, prompts, 6)
     engine = Engine(llm, max_num_batched_tokens=CHUNK, max_num_seqs=4)
     try:
         ids = [engine.add_request(p, max_tokens=6, ignore_eos=True) for p in prompts]
