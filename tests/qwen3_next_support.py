@@ -16,6 +16,8 @@ TEXT = dict(vocab_size=128, hidden_size=64, num_hidden_layers=NUM_LAYERS, num_at
 VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
 MAX_MODEL_LEN = 256
 CHUNK = 48  # max_num_batched_tokens of the chunked engines: a 200-token prompt takes five chunks
+PROMPT_LENS = (1, 7, 33, 200)
+NUM_GREEDY = 32
 
 
 def perturbed(model):
@@ -37,12 +39,15 @@ def write_qwen3_next(transformers, path, **dims):
     return model
 
 
-def write_qwen3_5(transformers, path, **dims):
-    """Saves a perturbed random Qwen3_5MoeForConditionalGeneration (TEXT with `dims` changed, VISION) under `path`;
-    returns it."""
+def write_qwen3_5(transformers, path, is_released: bool = True, **dims):
+    """Saves a perturbed random Qwen3.5-MoE (TEXT with `dims` changed) under `path`: as released
+    (Qwen3_5MoeForConditionalGeneration, VISION) or text only (Qwen3_5MoeForCausalLM); returns it."""
     torch.manual_seed(0)
-    config = transformers.Qwen3_5MoeConfig(text_config=TEXT | dims, vision_config=VISION)
-    model = perturbed(transformers.Qwen3_5MoeForConditionalGeneration(config))
+    if is_released:
+        config = transformers.Qwen3_5MoeConfig(text_config=TEXT | dims, vision_config=VISION)
+        model = perturbed(transformers.Qwen3_5MoeForConditionalGeneration(config))
+    else:
+        model = perturbed(transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**(TEXT | dims))))
     model.save_pretrained(path)
     return model
 
@@ -74,6 +79,34 @@ def make_llm(path, **options) -> LLM:
 
 def random_prompt(length: int, seed: int = 0) -> list[int]:
     return torch.randint(0, TEXT["vocab_size"], (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def greedy_matches_reference(model, prompt: list[int], tokens: list[int]) -> bool:
+    """Whether `tokens` are transformers' greedy continuation of `prompt`: one uncached forward over prompt + tokens,
+    each token the argmax after the ones before it (by induction, the tokens its own greedy loop would pick)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1:]
+    return logits.argmax(-1).tolist() == tokens
+
+
+def check_parity(model, llm, name: str, lengths=PROMPT_LENS) -> None:
+    """Float32 prefill logits of a prompt of each length within 1e-4 of the largest |logit| of transformers' `model`,
+    then NUM_GREEDY greedy tokens per prompt as transformers picks them, from one engine that batches the prompts
+    (in CHUNK-token chunks, the recurrent states carried over)."""
+    prompts = [random_prompt(length, seed=length) for length in lengths]
+    for prompt in prompts:
+        with torch.no_grad():
+            ref = model(torch.tensor([prompt])).logits[0].float()
+        ours = llm.prefill_logits(prompt)
+        assert (ours - ref).abs().max() <= 1e-4 * ref.abs().max(), f"{name}: prefill of {len(prompt)} tokens"
+    engine = Engine(llm, max_num_batched_tokens=CHUNK, max_num_seqs=len(prompts))
+    try:
+        outputs = engine.generate(prompts, max_tokens=NUM_GREEDY, ignore_eos=True)
+    finally:
+        engine.close()
+    for prompt, tokens in zip(prompts, outputs, strict=True):
+        assert len(tokens) == NUM_GREEDY and greedy_matches_reference(model, prompt, tokens), \
+            f"{name}: greedy after a prompt of {len(prompt)} tokens"
 
 
 def solo_tokens(llm, prompts, max_tokens) -> list[list[int]]:

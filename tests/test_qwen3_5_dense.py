@@ -13,6 +13,7 @@ import torch
 from qwen3_next_support import (
     CHUNK,
     NUM_LAYERS,
+    check_parity,
     make_llm,
     random_prompt,
     run_together,
@@ -29,9 +30,6 @@ from hybrid.models import load_model_config
 from hybrid.routed_experts import RoutedExperts
 
 transformers = pytest.importorskip("transformers")
-
-PROMPT_LENS = (1, 7, 33, 200)  # 200 tokens: five chunks of CHUNK
-NUM_GREEDY = 32
 
 
 @pytest.fixture(scope="module")
@@ -63,34 +61,10 @@ def test_checkpoints_as_published(released, text_only):
     assert "model.layers.3.self_attn.q_proj.weight" in names and "lm_head.weight" not in names
 
 
-def _greedy_matches_reference(model, prompt: list[int], tokens: list[int]) -> bool:
-    """Whether `tokens` are transformers' greedy continuation of `prompt`: one uncached forward over prompt + tokens,
-    each token the argmax after the ones before it (by induction, the tokens its own greedy loop would pick)."""
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1:]
-    return logits.argmax(-1).tolist() == tokens
-
-
 @pytest.mark.parametrize("arch", ["released", "text_only"])
 def test_parity_with_transformers(arch, request):
-    """Prefill logits of each prompt alone, then every prompt's greedy tokens from one engine that batches them (its
-    prompts in chunks, the recurrent states carried over)."""
     path, model = request.getfixturevalue(arch)
-    llm = request.getfixturevalue("released_llm") if arch == "released" else make_llm(path)
-    prompts = [random_prompt(length, seed=length) for length in PROMPT_LENS]
-    for prompt in prompts:
-        with torch.no_grad():
-            ref = model(torch.tensor([prompt])).logits[0].float()
-        ours = llm.prefill_logits(prompt)
-        assert (ours - ref).abs().max() <= 1e-4 * ref.abs().max(), f"{arch}: prefill of {len(prompt)} tokens"
-    engine = Engine(llm, max_num_batched_tokens=CHUNK, max_num_seqs=len(prompts))
-    try:
-        outputs = engine.generate(prompts, max_tokens=NUM_GREEDY, ignore_eos=True)
-    finally:
-        engine.close()
-    for prompt, tokens in zip(prompts, outputs, strict=True):
-        assert len(tokens) == NUM_GREEDY and _greedy_matches_reference(model, prompt, tokens), \
-            f"{arch}: greedy after a prompt of {len(prompt)} tokens"
+    check_parity(model, request.getfixturevalue("released_llm") if arch == "released" else make_llm(path), arch)
 
 
 def test_config_has_no_experts(released, text_only):

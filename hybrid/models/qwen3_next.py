@@ -86,8 +86,9 @@ def parse_linear(raw: RawConfig, projection: str) -> LinearAttentionConfig:
 
 
 def has_fused_experts(checkpoint_dir: Path | None) -> bool:
-    """Whether the checkpoint stores its experts fused (`...mlp.experts.gate_up_proj`): read from the shard index,
-    else the single file's header."""
+    """Whether the checkpoint stores its main layers' experts fused (`model.[language_model.]layers.N.mlp.experts.
+    gate_up_proj`): read from the shard index, else the single file's header. The MTP layer's (`mtp.*`, fused in
+    Qwen3.6) do not count: they say nothing about the main layers' storage."""
     if checkpoint_dir is None:
         return False
     index = checkpoint_dir / "model.safetensors.index.json"
@@ -100,7 +101,7 @@ def has_fused_experts(checkpoint_dir: Path | None) -> bool:
                 names.update(dict.fromkeys(read_header(file)[0]))
     except (OSError, ValueError, HybridError):
         return False  # the loader reports an unreadable checkpoint with its file name
-    return any(name.endswith(FUSED_EXPERT_SUFFIX) for name in names)
+    return any(name.startswith("model.") and name.endswith(FUSED_EXPERT_SUFFIX) for name in names)
 
 
 class Qwen3NextForCausalLM(MoECausalLM):
