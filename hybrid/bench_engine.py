@@ -131,6 +131,8 @@ def expert_bytes_per_step(llm: LLM, num_tokens: int) -> float:
     """Routed experts' bytes one step reads on the CPU: the expected distinct CPU-resident experts of `num_tokens`
     uniformly routed tokens (prefill: the bound is the read alone, a floor; its arithmetic is `hybrid-bench
     cpu-moe`'s). GPU-resident experts (`gpu_experts`) are not read by the CPU."""
+    if not llm.config.num_moe_layers:  # a dense model: nothing on the CPU
+        return 0.0
     num_experts, top_k = llm.config.moe.num_experts, llm.config.moe.top_k
     is_routed = 1 - (1 - top_k / num_experts) ** num_tokens  # chance that a given expert gets a token
     return sum(m.cpu_experts.op.layer.expert_bytes() * m.num_cpu_experts * is_routed
