@@ -160,7 +160,7 @@ def test_engine_loop_idles_once_when_the_work_runs_out():
         time.sleep(0.1)  # the stats line's interval ends meanwhile: the loop wakes, logs, sleeps again
         assert engine.idle_calls == [False]
         loop.submit(GenerateJob([1, 2], None, 8, send_another))
-        wait_until(lambda: num_done() == 4 and len(engine.idle_calls) == 2)
+        wait_until(lambda: num_done() == 4 and len(engine.idle_calls) >= 2)
         time.sleep(0.1)
         assert engine.idle_calls == [False, False]  # [False] * 3: idle between the two, with a request queued
     finally:
