@@ -169,16 +169,23 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def idle(self) -> None:
+        """What the engine does while it has nothing to run: the hot experts flip the swaps whose copies landed,
+        decide if steps ran since their last decision and start every decided copy (`HotExperts.at_idle`). A
+        server's loop calls it once each time its work runs out, before it waits for requests; bounded work, no
+        wait for the device."""
+        if self.llm.hot_experts is not None:
+            self.llm.hot_experts.at_idle()
+
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
         clock, start = self.host_seconds, time.perf_counter()
         chunks = self.scheduler.schedule()
         self.runner.copy_states(self.scheduler.take_state_copies())  # state snapshots restored on admission
-        hot = self.llm.hot_experts
         if not chunks:
-            if hot is not None:
-                hot.at_idle()  # experts move while no step runs
+            self.idle()  # experts move while no step runs
             return []
+        hot = self.llm.hot_experts
         launched = time.perf_counter()
         clock.schedule += launched - start
         logits = self.runner.execute_chunks(chunks)

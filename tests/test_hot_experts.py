@@ -158,6 +158,43 @@ def test_the_routers_counts_move_the_hottest_expert_in(converted):
     assert mover.num_swaps == 2 * len(layers) and all(m.gpu_expert_ids == (0, 1, 2) for m in layers)
 
 
+def test_the_server_loop_moves_experts_when_its_work_runs_out(converted):
+    """hybrid-serve's engine loop over an engine whose interval its requests never reach: the decision comes when
+    the work runs out (`EngineLoop` -> `Engine.idle` -> `HotExperts.at_idle`), its copies start then (on the CPU,
+    done at once), and the next request's first step flips them."""
+    import time
+
+    from hybrid.sampling import SamplingParams
+    from server.engine_loop import EngineLoop, GenerateJob, Output
+
+    llm = LLM(converted, gpu_experts=4, hot_experts_interval=1000, **ARGS)
+    mover, layers = llm.hot_experts, routed(llm)
+    mover.policy = EverySwap()
+    loop = EngineLoop(Engine(llm, max_num_batched_tokens=16), None, llm.max_model_len)
+    events = []
+
+    def wait_until(condition) -> None:
+        deadline = time.monotonic() + 30
+        while not condition():
+            assert time.monotonic() < deadline, "timed out"
+            time.sleep(0.01)
+
+    def num_done() -> int:
+        return sum(isinstance(e, Output) and e.finish_reason is not None for e in events)
+
+    loop.start()
+    try:
+        for num_requests in (1, 2):
+            loop.submit(GenerateJob(PROMPTS[num_requests], SamplingParams(), 4, events.append, ignore_eos=True))
+            wait_until(lambda n=num_requests: num_done() == n and len(mover.pending) == len(layers))
+            assert mover.num_swaps == (num_requests - 1) * len(layers) and not mover.queued
+    finally:
+        loop.stop()
+    assert [m.gpu_expert_ids for m in layers] == [(1, 2, 6)] * len(layers)  # EverySwap: 0 out, absent[3] in
+    for module in layers:
+        check_slot_table(module)
+
+
 @pytest.mark.parametrize("dtype,group_size", [("int8", 0), ("int8", 32), ("int4", 32), ("bf16", 0), ("fp8", 32),
                                               ("mxfp4", 32), ("nvfp4", 16)])
 def test_a_staged_copy_fills_the_slot_as_the_loader_does(dtype, group_size):

@@ -111,7 +111,8 @@ def test_streamed_layer_matches_the_cpu_operator(dtype, group_size):
     assert close(on_device(streamed, hidden, ids, weights), module.op(hidden, ids, weights))
 
 
-@pytest.mark.parametrize("dtype,group_size", [("int8", 0), ("bf16", 0), ("mxfp4", 32)])  # mxfp4: as published
+@pytest.mark.parametrize("dtype,group_size", [("int8", 0), ("int4", 32), ("bf16", 0), ("fp8", 32), ("mxfp4", 32),
+                                              ("nvfp4", 16)])  # mxfp4: as published
 def test_streamed_gpt_oss_layer_keeps_its_activation_and_biases(dtype, group_size):
     """gpt-oss's experts streamed: the clamped activation and the gate/up biases in every unit, the down bias once
     per expert (units of both partitions add up), as the CPU operator computes them."""
