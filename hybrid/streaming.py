@@ -146,17 +146,7 @@ class ExpertStream:
         views = self._views(slot, {role: a[:len(rows)] for role, a in arrays.items()})
         breaks = np.flatnonzero(np.diff(rows) != 1) + 1
         runs = [(int(run[0]), len(run)) for run in np.split(rows, breaks)]  # consecutive experts copy as one
-        stream = torch.cuda.stream(self._copy_stream) if self._is_cuda else contextlib.nullcontext()
-        with stream:
-            if self._is_cuda:
-                self._copy_stream.wait_event(self._freed[slot])
-            at = 0
-            for first, count in runs:
-                for role, view in views.items():
-                    view[at:at + count].copy_(torch.from_numpy(arrays[role][first:first + count]), non_blocking=True)
-                at += count
-            if self._is_cuda:
-                self._copied[slot].record(self._copy_stream)
+        self._copy_runs(slot, arrays, views, runs)
         if self._is_cuda:  # the compute's stream, outside the copy stream's context
             torch.cuda.current_stream(self.device).wait_event(self._copied[slot])
         self._slot_unit[slot] = -1  # holds part of a unit: a later `acquire` copies the whole one again
@@ -169,15 +159,26 @@ class ExpertStream:
     def _copy(self, index: int) -> None:
         slot = index % self.num_slots
         arrays = self.units[index].arrays()
+        num_rows = len(next(iter(arrays.values())))  # every role is [experts of the unit, ...]
+        self._copy_runs(slot, arrays, self._views(slot, arrays), [(0, num_rows)])
+        self._slot_unit[slot] = index
+
+    def _copy_runs(self, slot: int, arrays: dict[str, np.ndarray], views: dict[str, torch.Tensor],
+                   runs: list[tuple[int, int]]) -> None:
+        """Each run (first expert, count) of every role's array into the next rows of its slot view, on the copy
+        stream once the compute that read the slot's last unit is done; `_copied[slot]` marks the end."""
         stream = torch.cuda.stream(self._copy_stream) if self._is_cuda else contextlib.nullcontext()
         with stream:
             if self._is_cuda:
-                self._copy_stream.wait_event(self._freed[slot])  # the compute that read the slot's last unit
-            for role, device_view in self._views(slot, arrays).items():
-                device_view.copy_(torch.from_numpy(np.ascontiguousarray(arrays[role])), non_blocking=True)
+                self._copy_stream.wait_event(self._freed[slot])
+            at = 0
+            for first, count in runs:
+                for role, view in views.items():
+                    rows = np.ascontiguousarray(arrays[role][first:first + count])
+                    view[at:at + count].copy_(torch.from_numpy(rows), non_blocking=True)
+                at += count
             if self._is_cuda:
                 self._copied[slot].record(self._copy_stream)
-        self._slot_unit[slot] = index
 
     def _views(self, slot: int, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         """Device tensors shaped like `arrays` over the slot's buffers (grown to the largest unit on first use)."""
