@@ -6,7 +6,8 @@ range with zeros (2^-127) among them, e4m3 block scales with subnormals, zero an
 H = 80, I = 96 (whole and partial 16-byte chunks, an NVFP4 group alone in a row's tail) and H = 33, I = 45 (a half
 byte at the end of every gate row, an odd partition whose last byte pairs with no act column); 1 and 3 partitions;
 1, 3, 17 and 300 tokens, top-k 1, 2 and 8, -1 ids. E8M0's extreme scales (0 and 254, each with activations that
-keep the row's dot a normal float), under a flush-to-zero mode too, on single rows.
+keep the row's dot a normal float), under a flush-to-zero mode too, on single rows; and through the operator
+(decode, dequantizing prefill) in a layer read as DeepSeek-V4 stores it (`tests/stored_experts.py`).
 
 Tolerance: float32 summation order, 1e-5 of the largest output, plus, where the reference's act = silu(gate) * up
 lies within summation error of a bf16 rounding boundary, the one bf16 step it may round the other way

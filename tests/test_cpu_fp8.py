@@ -4,7 +4,10 @@ activations (`moe_reference(..., bf16_activations=True)`), on both paths of `Cpu
 Awkward cases: 1, 3, 17 and 300 tokens (300 on the prefill path), top-k 1, 2 and 8, -1 ids; H = 80 (a last half
 group of 32) and I = 96 in 1 or 3 partitions; weights holding every e4m3 code but NaN, or only the subnormals and
 zeros, with group scales from 2^-68 to 2^64; every code decoded exactly one at a time, also with the calling
-thread flushing denormals (the decoding must not rely on denormal arithmetic).
+thread flushing denormals (the decoding must not rely on denormal arithmetic). Layers read as checkpoints store
+them (`tests/stored_experts.py`): odd H and I (33 x 45 in groups of 32; 200 x 301 and 72 x 136 in 128 x 128 blocks,
+DeepSeek's float32 `weight_scale_inv` and DeepSeek-V4's E8M0 `.scale`, partial last blocks), and E8M0 blocks at 254
+(2^127) and 0 (2^-127).
 
 Tolerance: float32 summation order (REL_TOL of the output's largest element), plus, per output element, what
 rounding act = silu(gate) * up to bf16 can add: an element of act within float32 error of a bf16 rounding midpoint

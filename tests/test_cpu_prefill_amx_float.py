@@ -8,7 +8,8 @@ FP4 scales and the epilogues are what these tests check; with AMX-BF16 the real 
 Layers: H = 256, I = 192 (1 or 3 partitions); FP8 with group 128 (two groups along H, a partial last group in a
 partition of I) and 32 (one step a group); MXFP4 with scales that fold into the bf16 weights and with 2^-127 and
 2^-126 among them (those tasks' groups scaled apart); NVFP4 with zero, subnormal and 448 block scales and tensor
-scales not 1. 1, 17 and 300 tokens, top-k 1 and 8, -1 ids.
+scales not 1. 1, 17 and 300 tokens, top-k 1 and 8, -1 ids. FP8 (DeepSeek-V4's E8M0 `.scale` blocks) and MXFP4 with
+E8M0 scales 254 and 0 in every row, on tokens that keep AMX's products normal (`tests/stored_experts.py`).
 
 Tolerance (as tests/test_cpu_fp8.py's): 1e-5 of the largest output, plus, per output element, what rounding act =
 silu(gate) * up to bf16 can move it where act lies within float32 error of a bf16 rounding midpoint (`flip_bound`).
