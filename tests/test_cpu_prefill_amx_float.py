@@ -8,7 +8,8 @@ FP4 scales and the epilogues are what these tests check; with AMX-BF16 the real 
 Layers: H = 256, I = 192 (1 or 3 partitions); FP8 with group 128 (two groups along H, a partial last group in a
 partition of I) and 32 (one step a group); MXFP4 with scales that fold into the bf16 weights and with 2^-127 and
 2^-126 among them (those tasks' groups scaled apart); NVFP4 with zero, subnormal and 448 block scales and tensor
-scales not 1. 1, 17 and 300 tokens, top-k 1 and 8, -1 ids.
+scales not 1. 1, 17 and 300 tokens, top-k 1 and 8, -1 ids. FP8 (DeepSeek-V4's E8M0 `.scale` blocks) and MXFP4 with
+E8M0 scales 254 and 0 in every row, on tokens that keep AMX's products normal (`tests/stored_experts.py`).
 
 Tolerance (as tests/test_cpu_fp8.py's): 1e-5 of the largest output, plus, per output element, what rounding act =
 silu(gate) * up to bf16 can move it where act lies within float32 error of a bf16 rounding midpoint (`flip_bound`).
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import stored_experts
 import torch
 
 from cpu_experts import formats, prefill_amx_float
@@ -188,6 +190,35 @@ def test_chunks_across_groups(kernels, wide_layers, is_amx, fmt, group, kind):
         want = moe_reference(x, gate, up, down, ids, w, bf16_activations=True)
         got = torch.from_numpy(op(x.numpy(), route(ids.numpy(), w.numpy(), E)))
         assert_close(got, want, flip_bound(x, gate, up, down, ids, w), f"{num_tokens} tokens, top-{top_k}")
+
+
+@pytest.fixture(scope="module")
+def extreme_layers():
+    """DeepSeek-V4's FP8 (E8M0 `.scale` blocks, I = 384: three partitions of a block) and MXFP4 experts with E8M0
+    scales at 254 and 0 (`stored_experts`), in three partitions."""
+    built = {"fp8": stored_experts.extreme_fp8_layer(H, 384), "mxfp4": stored_experts.extreme_mxfp4_layer(H, I)}
+    return {fmt: (PackedLayer.from_file_tensors(tensors, spec, 3), reference)
+            for fmt, (tensors, spec, reference) in built.items()}
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("is_amx", [False, True])
+def test_e8m0_extremes(kernels, extreme_layers, is_amx, fmt):
+    """E8M0 scales 254 (2^127) and 0 (2^-127) beside 250-253 and 1-4 in every row: FP8's group sums scaled apart,
+    MXFP4's tasks holding them not folded (2^-127 as a float32 factor), with tokens whose products and sums stay
+    normal floats (README: AMX-BF16 flushes those below 2^-126), each compared on its own scale."""
+    if is_amx and not prefill_amx_float.has_amx_bf16():
+        pytest.skip("this CPU has no AMX-BF16")
+    layer, (gate, up, down) = extreme_layers[fmt]
+    assert prefill_amx_float.is_supported(layer) and len(layer.partitions) == 3
+    op = prefill_amx_float.FloatAmxPrefill(layer, Workspace(), None if is_amx else kernels)
+    for seed, (num_tokens, top_k) in enumerate([(1, 1), (3, 2), (17, 8), (300, 2)]):
+        x, ids, w = stored_experts.class_tokens(num_tokens, H, top_k, seed)
+        want = moe_reference(x, gate, up, down, ids, w, bf16_activations=True)
+        scale = stored_experts.per_token_scale(want)
+        got = torch.from_numpy(op(x.numpy(), route(ids.numpy(), w.numpy(), gate.shape[0])))
+        assert_close(got.double() * scale, want.double() * scale, flip_bound(x, gate, up, down, ids, w) * scale,
+                     f"{num_tokens} tokens, top-{top_k}")
 
 
 @pytest.mark.parametrize("fmt,group,hidden,inter", [("fp8", 128, 80, 192), ("fp8", 128, 256, 96 + 16),
