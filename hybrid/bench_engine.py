@@ -215,7 +215,7 @@ def _measure_decode(engine: Engine, llm: LLM, args, timer: CpuExpertsTimer) -> d
     replays = runner.num_replays if runner else 0
     start, swaps = _graph_serving(engine), _num_swaps(llm)
     seconds, step_seconds, tokens = _decode(engine, prompts, args.tokens + 1, timer)
-    swaps = None if swaps is None else _num_swaps(llm) - swaps  # the timed steps' (not the GPU-alone run's)
+    swaps = _swaps_since(llm, swaps)  # the timed steps' (not the GPU-alone run's)
     rank_cpu = timer.rank_seconds
     waited, pool_s, pool_calls = (now - then for now, then in zip(_graph_serving(engine), start, strict=True))
     cpu, calls = timer.seconds + pool_s, timer.calls + pool_calls
@@ -234,6 +234,11 @@ def _measure_decode(engine: Engine, llm: LLM, args, timer: CpuExpertsTimer) -> d
 def _num_swaps(llm: LLM) -> int | None:
     """Hot experts' swaps so far (None without hot experts)."""
     return llm.hot_experts.num_swaps if llm.hot_experts is not None else None
+
+
+def _swaps_since(llm: LLM, before: int | None) -> int | None:
+    """Hot experts' swaps since `_num_swaps` read `before` (None without hot experts)."""
+    return None if before is None else _num_swaps(llm) - before
 
 
 def measure_guided(engine: Engine, llm: LLM, args, spec: GuidedSpec, timer: CpuExpertsTimer) -> dict:
@@ -285,7 +290,7 @@ def _measure_prefill(engine: Engine, llm: LLM, args, timer: CpuExpertsTimer) -> 
     seconds, step_seconds = _time_steps(engine, timer)
     return dict(seconds=seconds, step_seconds=step_seconds, cpu=timer.seconds, tokens=args.tokens, calls=0,
                 hot_s=None, gpu_only_s=None, graph_steps=0, cpu_wait_s=None, rank_cpu=timer.rank_seconds,
-                swaps=None if swaps is None else _num_swaps(llm) - swaps)
+                swaps=_swaps_since(llm, swaps))
 
 
 def streamed_bytes_per_step(llm: LLM, num_tokens: int) -> int | None:

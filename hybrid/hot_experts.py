@@ -131,15 +131,12 @@ NUM_STAGING = 2  # page-locked staging buffers: one is filled while the other's 
 # numpy dtype of a stored array -> the dtype its device view takes (bf16 weights and scales are stored as their bits)
 DEVICE_DTYPES = {np.dtype(np.int8): torch.int8, np.dtype(np.uint8): torch.uint8,
                  np.dtype(np.float32): torch.float32, np.dtype(np.uint16): torch.bfloat16}
-STORED_ROLES = ("gate", "up", "down", "gate_scales", "up_scales", "down_scales", "gate_tensor_scale",
-                "up_tensor_scale", "down_tensor_scale")
 
 
 def stored_arrays(layer: PackedLayer, expert: int) -> list[dict[str, np.ndarray]]:
     """Per partition: stored array name -> expert `expert`'s part of it [1, ...] (weights, scales, NVFP4's tensor
     scale), views of the CPU operator's memory."""
-    return [{name: getattr(p, name)[expert:expert + 1] for name in STORED_ROLES if getattr(p, name) is not None}
-            for p in layer.partitions]
+    return [{name: array[expert:expert + 1] for name, array in p.named_arrays().items()} for p in layer.partitions]
 
 
 def _aligned(nbytes: int) -> int:

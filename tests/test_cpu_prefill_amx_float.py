@@ -148,10 +148,16 @@ def test_matches_reference(kernels, layers, is_amx, fmt, group, kind, partitions
     layer, (gate, up, down) = layers(fmt, group, kind, partitions)
     assert prefill_amx_float.is_supported(layer)
     op = prefill_amx_float.FloatAmxPrefill(layer, Workspace(), None if is_amx else kernels)
-    gen = torch.Generator().manual_seed(5)
-    for seed, (num_tokens, top_k) in enumerate([(1, 1), (1, 8), (17, 1), (17, 8), (300, 1), (300, 8)]):
-        ids, w = routing(num_tokens, top_k, seed)
-        x = torch.randn(num_tokens, H, generator=gen)
+    check_calls(op, (gate, up, down), H, [(1, 1), (1, 8), (17, 1), (17, 8), (300, 1), (300, 8)], seed=5)
+
+
+def check_calls(op, weights, hidden_size: int, calls, seed: int) -> None:
+    """`op` against `moe_reference` (bf16 activations) for each (tokens, top-k) call, within the act flips' bound."""
+    gate, up, down = weights
+    gen = torch.Generator().manual_seed(seed)
+    for routing_seed, (num_tokens, top_k) in enumerate(calls):
+        ids, w = routing(num_tokens, top_k, routing_seed)
+        x = torch.randn(num_tokens, hidden_size, generator=gen)
         want = moe_reference(x, gate, up, down, ids, w, bf16_activations=True)
         got = torch.from_numpy(op(x.numpy(), route(ids.numpy(), w.numpy(), E)))
         assert_close(got, want, flip_bound(x, gate, up, down, ids, w), f"{num_tokens} tokens, top-{top_k}")
@@ -183,13 +189,7 @@ def test_chunks_across_groups(kernels, wide_layers, is_amx, fmt, group, kind):
     layer, (gate, up, down) = wide_layers(fmt, group, kind)
     assert prefill_amx_float.is_supported(layer)
     op = prefill_amx_float.FloatAmxPrefill(layer, Workspace(), None if is_amx else kernels)
-    gen = torch.Generator().manual_seed(6)
-    for seed, (num_tokens, top_k) in enumerate([(1, 8), (3, 2), (17, 8), (300, 2)]):
-        ids, w = routing(num_tokens, top_k, seed)
-        x = torch.randn(num_tokens, WIDE_H, generator=gen)
-        want = moe_reference(x, gate, up, down, ids, w, bf16_activations=True)
-        got = torch.from_numpy(op(x.numpy(), route(ids.numpy(), w.numpy(), E)))
-        assert_close(got, want, flip_bound(x, gate, up, down, ids, w), f"{num_tokens} tokens, top-{top_k}")
+    check_calls(op, (gate, up, down), WIDE_H, [(1, 8), (3, 2), (17, 8), (300, 2)], seed=6)
 
 
 @pytest.fixture(scope="module")
