@@ -11,11 +11,13 @@ output and the partials are summed. Two paths, chosen per call by token count:
 - decode (few tokens): the numba kernels stream each routed expert's quantized rows once, dequantizing in
   registers (`cpu_experts.kernels`; the float formats', on bf16 activations, in `FLOAT_DECODE`:
   `cpu_experts.kernels_fp8`, `kernels_fp4`);
-- prefill (many tokens, `prefill_min_tokens` or more, and bf16 experts at any count): matmuls grouped by expert.
-  Per-channel int8 experts multiply int8 x int8: our AMX grouped GEMM where the CPU has AMX
-  (`cpu_experts.prefill_amx`), else oneDNN per expert (`cpu_experts.prefill_int8`). The float formats multiply bf16
-  x bf16 on AMX-BF16 (`cpu_experts.prefill_amx_float`). Other experts are each dequantized once per call and
-  multiplied by PyTorch (`cpu_experts.prefill`). Which one a layer takes is decided once, in `select_prefill`.
+- prefill (many tokens, `prefill_min_tokens` or more, and bf16 experts at any count): matmuls grouped by expert,
+  one driver (`cpu_experts.prefill.Prefill`) over a GEMM backend. Per-channel int8 experts multiply int8 x int8:
+  our AMX grouped GEMM where the CPU has AMX (`cpu_experts.prefill_amx`), else oneDNN per expert
+  (`cpu_experts.prefill_int8`); int4 and grouped int8 on AMX: `cpu_experts.prefill_amx_grouped`. The float formats
+  multiply bf16 x bf16 on AMX-BF16 (`cpu_experts.prefill_amx_float`). Other experts are each dequantized once per
+  call and multiplied by PyTorch (`prefill.DequantBackend`). Which backend a layer takes is decided once, in
+  `select_prefill`.
 The float formats (FP8) compute on bfloat16 activations whatever `int8_activations` says: each matmul's input is
 rounded to bf16 on both paths, products and sums in float32 (the format's published contract).
 """
@@ -39,8 +41,8 @@ from cpu_experts import (
     prefill_amx_grouped,
 )
 from cpu_experts.packed import PackedLayer
-from cpu_experts.prefill import DequantPrefill, Workspace
-from cpu_experts.prefill_int8 import Int8Prefill
+from cpu_experts.prefill import DequantBackend, Prefill, Workspace
+from cpu_experts.prefill_int8 import OneDnnInt8Backend
 
 # Token counts from which the prefill path runs, per expert dtype, where the two paths measured even on the
 # 16-core Xeon (docs/benchmarks.md); int4 prefill dequantizes every routed expert, so its decode kernels win longer.
@@ -139,10 +141,7 @@ class CpuMoE:
             decode = self._decode_float if self.spec.dtype in FLOAT_DECODE else \
                 self._decode_vnni if self.is_vnni else self._decode
             return self._with_bias(torch.from_numpy(decode(_float32(hidden), routing)), routing).to(hidden.dtype)
-        if isinstance(self.prefill, DequantPrefill):  # PyTorch matmuls, in the activations' dtype
-            dtype = hidden.dtype if hidden.dtype in (torch.bfloat16, torch.float32) else torch.float32
-            return self._with_bias(self.prefill(hidden.detach().to(dtype), routing), routing).to(hidden.dtype)
-        return self._with_bias(torch.from_numpy(self.prefill(_float32(hidden), routing)), routing).to(hidden.dtype)
+        return self._with_bias(self.prefill(hidden, routing), routing).to(hidden.dtype)
 
     def _with_bias(self, out: torch.Tensor, routing: Routing) -> torch.Tensor:
         """out + each pair's weighted down bias (layers with biases; out float32 from every path but bf16's)."""
@@ -216,24 +215,27 @@ class CpuMoE:
         return out
 
 
-def select_prefill(layer: PackedLayer, workspace: Workspace, is_w8a8: bool):
-    """The matmul path of a layer's many-token calls, chosen here alone from its format and this CPU's features:
-    (backend, is_amx). W8A8 int8/int4: our AMX grouped GEMMs (`prefill_amx`, `prefill_amx_grouped`) where the CPU
-    has AMX-INT8, else oneDNN for per-channel int8 (`prefill_int8`); the float formats: the AMX-BF16 grouped GEMM
-    (`prefill_amx_float`); everything else, and layers whose sizes the tiles do not fit: each routed expert
-    dequantized and multiplied by PyTorch (`DequantPrefill`, on the formats' activation grid)."""
+def select_prefill(layer: PackedLayer, workspace: Workspace, is_w8a8: bool) -> tuple[Prefill, bool]:
+    """The matmul backend of a layer's many-token calls, chosen here alone from its format and this CPU's features:
+    (the prefill driver over it, is_amx). W8A8 int8/int4: our AMX grouped GEMMs (`prefill_amx`,
+    `prefill_amx_grouped`) where the CPU has AMX-INT8, else oneDNN for per-channel int8 (`prefill_int8`); the float
+    formats: the AMX-BF16 grouped GEMM (`prefill_amx_float`); everything else, and layers whose sizes the tiles do
+    not fit: each routed expert dequantized and multiplied by PyTorch (`DequantBackend`, on the formats' activation
+    grid)."""
     spec = layer.spec
     is_float = spec.dtype in FLOAT_DECODE
+    is_amx_int8 = is_w8a8 and prefill_amx.has_amx()
     if is_float and prefill_amx_float.has_amx_bf16() and prefill_amx_float.is_supported(layer):
-        return prefill_amx_float.FloatAmxPrefill(layer, workspace), True
-    if is_w8a8 and prefill_amx.has_amx():
-        if prefill_amx.is_supported(layer):
-            return prefill_amx.AmxPrefill(layer, workspace), True
-        if prefill_amx_grouped.is_supported(layer):
-            return prefill_amx_grouped.GroupedAmxPrefill(layer, workspace), True
-    if is_w8a8 and spec.dtype == "int8" and spec.group_size == 0:
-        return Int8Prefill(layer, workspace), False
-    return DequantPrefill(layer, workspace, round_activations=is_w8a8, bf16_activations=is_float), False
+        backend = prefill_amx_float.AmxFloatBackend(layer)
+    elif is_amx_int8 and prefill_amx.is_supported(layer):
+        backend = prefill_amx.AmxInt8Backend(layer)
+    elif is_amx_int8 and prefill_amx_grouped.is_supported(layer):
+        backend = prefill_amx_grouped.AmxGroupedBackend(layer)
+    elif is_w8a8 and spec.dtype == "int8" and spec.group_size == 0:
+        backend = OneDnnInt8Backend(layer)
+    else:
+        backend = DequantBackend(layer, round_activations=is_w8a8, bf16_activations=is_float)
+    return Prefill(backend, workspace), backend.is_amx
 
 
 def _float32(hidden: torch.Tensor) -> np.ndarray:
