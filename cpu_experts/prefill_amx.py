@@ -427,8 +427,8 @@ class AmxInt8Backend:
                             r.pair_token, call.col_offsets, x_v, x_scale, epilogue, act)
         return act
 
-    def down(self, call: PrefillCall, part: PartitionWeights, act: np.ndarray, out: torch.Tensor) -> None:
+    def down(self, call: PrefillCall, part: PartitionWeights, act: np.ndarray, out: np.ndarray) -> None:
         r = call.routing
         a_v, a_scale = int8_operand(call, act, call.pair_rows, "a")
         self.down_kernel(self.cfg, part.down, part.down_scales, r.experts, r.offsets, r.pair_token, r.pair_weight,
-                         call.col_offsets, a_v, a_scale, down_task_rows(out.shape[1]), out.numpy())
+                         call.col_offsets, a_v, a_scale, down_task_rows(out.shape[1]), out)

@@ -255,10 +255,10 @@ class AmxFloatBackend:
                             r.offsets, call.col_offsets, x_v, *buffers, epilogue, act)
         return act, buffers
 
-    def down(self, call: PrefillCall, part: PartitionWeights, act, out: torch.Tensor) -> None:
+    def down(self, call: PrefillCall, part: PartitionWeights, act, out: np.ndarray) -> None:
         r, (act_bf16, buffers) = call.routing, act
         a_v = call.workspace.array("a_v", (part.size // 2 * call.num_cols,), np.int32)
         pack_vnni(act_bf16.view(np.int32), call.pair_rows, r.offsets, call.col_offsets, a_v)
         self.down_kernel(self.cfg, self.fmt, part.down, part.down_scales, self._tensor_scale(part, "down"),
                          self.spec.group_size, r.experts, r.offsets, r.pair_token, r.pair_weight, call.col_offsets,
-                         a_v.view(np.uint16), down_task_rows(out.shape[1]), *buffers, out.numpy())
+                         a_v.view(np.uint16), down_task_rows(out.shape[1]), *buffers, out)

@@ -281,10 +281,10 @@ class AmxGroupedBackend:
                             scratch, epilogue, act)
         return act
 
-    def down(self, call: PrefillCall, part: PartitionWeights, act: np.ndarray, out: torch.Tensor) -> None:
+    def down(self, call: PrefillCall, part: PartitionWeights, act: np.ndarray, out: np.ndarray) -> None:
         ws, r = call.workspace, call.routing
         a_v, a_scale = int8_operand(call, act, call.pair_rows, "a", self.permute)
         scratch = ws.array("a_down", (numba.get_num_threads(), 2 * TILE_ROWS * part.size), np.int8)
         self.down_kernel(self.cfg, part.down, part.down_scales, r.experts, r.offsets, r.pair_token, r.pair_weight,
                          call.col_offsets, a_v, a_scale, self.spec.group_size, self.is_int4,
-                         down_task_rows(out.shape[1]), scratch, out.numpy())
+                         down_task_rows(out.shape[1]), scratch, out)

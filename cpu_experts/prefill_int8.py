@@ -143,13 +143,13 @@ class OneDnnInt8Backend:
                     act_scale)
         return act_t, act_scale
 
-    def down(self, call: PrefillCall, part: PartitionWeights, act, out: torch.Tensor) -> None:
+    def down(self, call: PrefillCall, part: PartitionWeights, act, out: np.ndarray) -> None:
         """Steps 4-5."""
         ws, r, (act_t, act_scale) = call.workspace, call.routing, act
         down_acc = ws.array("down_acc", (out.shape[1] * call.num_cols,), np.int32)
         _matmuls(((torch.from_numpy(part.down), act_t, down_acc),), r.experts, call.col_offsets)
         combine_columns(down_acc, r.experts, r.offsets, r.pair_token, r.pair_weight, call.col_offsets, act_scale,
-                        part.down_scales, out.numpy())
+                        part.down_scales, out)
 
 
 def _matmuls(products, experts: np.ndarray, col_offsets: np.ndarray) -> None:

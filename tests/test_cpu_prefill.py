@@ -174,7 +174,7 @@ class _Recording:
         return part.start
 
     def down(self, call, part, act, out):
-        assert out.dtype == torch.float32 and not out.any(), "out is zeroed once, before the first partition"
+        assert out.dtype == np.float32 and not out.any(), "out is zeroed once, before the first partition"
         self.calls.append(("down", part.start, act))
 
 
