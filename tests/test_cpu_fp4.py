@@ -26,7 +26,8 @@ from numba.extending import intrinsic
 
 from cpu_experts import formats, kernels_fp4, kernels_fp4_ir
 from cpu_experts.expert_file import ALLOWED_SCALES, FIXED_GROUP, ExpertLayerSpec, dequantize_matrix
-from cpu_experts.operator import PREFILL_MIN_TOKENS, CpuMoE
+from cpu_experts.kernel_table import PREFILL_MIN_TOKENS
+from cpu_experts.operator import CpuMoE
 from cpu_experts.packed import PackedLayer
 from cpu_experts.reference import moe_reference
 
