@@ -172,9 +172,9 @@ def _scale_vectors(g: _IR, scales, table, first, second, is_mx: bool):
 class _RowDots:
     """The IR of one call of a row-dot intrinsic (`_fp4_codegen`): its pointers, accumulators and chunk step."""
 
-    def __init__(self, context, builder, sig, args, weights, is_mx: bool, mode: str):
+    def __init__(self, context, builder, sig, args, weights, is_mx: bool, mode: str, is_scaled: bool):
         self.g, self.b = _IR(context, builder), builder
-        self.num_rows, self.is_mx, self.mode = len(weights), is_mx, mode
+        self.num_rows, self.is_mx, self.mode, self.is_scaled = len(weights), is_mx, mode, is_scaled
         at = 1 + max(max(w, s) for w, s, _ in weights)
         (e_type, n_type), (e, n) = sig.args[at:at + 2], args[at:at + 2]
         self.rows, self.scales = [], []
@@ -203,7 +203,7 @@ class _RowDots:
         second = second or b.add(first, ir.Constant(I64, 1))
         for j in range(self.num_rows):
             w = self.load(w_ptrs[j], offset, V16B)
-            if self.mode not in SCALED_MODES:
+            if not self.is_scaled:
                 self._factored(w, xe, xo, j, first, second, self.accs[j][half], self.mode)
                 continue
             if not self.is_mx:
@@ -282,15 +282,18 @@ TWO_ROWS = ((0, 1, 0), (2, 3, 0))  # w0, s0, w1, s1: a token's gate and up rows
 FOUR_ROWS = tuple((0, 1, k) for k in range(4))  # rows n..n + 3 of one projection
 
 
-def _fp4_codegen(weights, is_mx: bool, mode: str | None = None):
+def _fp4_codegen(weights, is_mx: bool, mode: str | None = None, is_scaled: bool | None = None):
     """The dot of each row w[e, n + offset] (uint8 [E, N, B], scale bits s [E, N, G]) with x[t] (x_even[t] for the
     low nibbles, x_odd[t] for the high ones), before any tensor scale; `weights`: (weight argument, scale argument,
     row offset) of each row; args: the arrays, then e, n, the factor table, x_even, x_odd, t. 16-byte chunks, two
     accumulators per row (two FMA chains in flight: alternate chunks, or the scaled modes' low and high nibbles); a
     last partial chunk takes the same path from zero-padded copies. `mode`: `_decode_bytes`' or "lanes" (default:
-    this CPU's, `decode_mode`)."""
+    this CPU's, `decode_mode`); `is_scaled`: whether the lookups yield value * scale (default: the modes that can,
+    SCALED_MODES; "permute" with False is the factored AVX-512 kernel, kept for `probe_float_decode`'s A/B)."""
     def codegen(context, builder, sig, args):
-        dots = _RowDots(context, builder, sig, args, weights, is_mx, mode or decode_mode())
+        chosen = mode or decode_mode()
+        scaled = chosen in SCALED_MODES if is_scaled is None else is_scaled
+        dots = _RowDots(context, builder, sig, args, weights, is_mx, chosen, scaled)
         num_chunks = builder.sdiv(dots.num_bytes, ir.Constant(I64, CHUNK))
         dots.whole_chunks(num_chunks)
         dots.partial_chunk(num_chunks)
