@@ -101,8 +101,8 @@ def probe(shape: str, fmt: str, calls: int, num_layers: int, bandwidth: ReadBand
     for name, ts in times.items():
         t = statistics.median(ts)
         rate = top_k * expert_bytes / t
-        print(f"{fmt:6s} {name:9s} {t * 1e6:9.0f} us  {rate / 1e9:6.1f} GB/s  of read {read / 1e9:6.1f} GB/s: "
-              f"{rate / read:6.1%}")
+        print(f"{fmt:6s} {name:9s} {t * 1e6:9.0f} us (min {min(ts) * 1e6:.0f})  {rate / 1e9:6.1f} GB/s  of read "
+              f"{read / 1e9:6.1f} GB/s: {rate / read:6.1%}")
     print(f"{fmt:6s} max |factored - scaled| / max |out|: {worst:.2e} (float32 summation order: ~1e-6)")
 
 
