@@ -39,10 +39,10 @@ from gpu_layers.w8a8_moe_reference import (  # noqa: F401 (part of this module's
 )
 
 # CONFIGS[capability] = (gate_up tiles, down tiles). SM89/SM120: 99 KiB of shared memory; a gate_up stage holds
-# the int8 A tile and the gate and up tiles (3 x 8 KiB). Four [BLOCK_M, BLOCK_N] accumulators (int32 and float32,
-# gate and up) bound the gate_up tile's size.
-_SMALL_SMEM = (Tiles(64, 64, 128, 4, 3), Tiles(64, 128, 128, 4, 3))
-CONFIGS = {89: _SMALL_SMEM, 90: (Tiles(128, 64, 128, 8, 3), Tiles(128, 128, 128, 8, 3)), 120: _SMALL_SMEM}
+# the int8 A tile and the gate and up tiles (3 x 8 KiB). Registers bound the tiles: each output element has an
+# int32 and a float32 accumulator (gate_up: two of each), so BLOCK_N = 128 spilled on SM120.
+_SMALL_SMEM = (Tiles(64, 64, 128, 4, 3), Tiles(64, 64, 128, 4, 3))
+CONFIGS = {89: _SMALL_SMEM, 90: (Tiles(128, 64, 128, 8, 3), Tiles(128, 64, 128, 8, 3)), 120: _SMALL_SMEM}
 BLOCK_KS = (32, 64, 128)  # every BLOCK_K a launch can take (`block_k`)
 QUANTIZE_BLOCK = 1024  # columns per step of quantize_rows_kernel
 NO_FMA = dict(enable_fp_fusion=False)  # every launch: a * b + c rounds twice, as PyTorch's reference does
@@ -82,13 +82,13 @@ def _weight_tile(w, row_offsets, col_ok, k0, num_cols, offs_k, IS_INT4: tl.const
         codes = tl.reshape(tl.join(low, high), [row_offsets.shape[0], BLOCK_K])  # [BLOCK_N, BLOCK_K], interleaved
         return tl.trans(codes)
     ok = (offs_k < num_cols - k0)[:, None] & col_ok[None, :]
-    return tl.load(w + row_offsets[None, :] + (k0 + offs_k)[:, None], mask=ok, other=0)
+    return tl.load(w + row_offsets[None, :] + (k0 + offs_k)[:, None], mask=ok, other=0).to(tl.int8)
 
 
 @triton.jit
 def w8a8_gate_up_kernel(
     x_q, x_scale, gate, gate_scale, up, up_scale, bias, act, sorted_pair_ids, block_expert_ids,
-    num_pairs, top_k, hidden_size, inter, group, num_groups, stride_xt, stride_we, stride_wn, stride_se, stride_sn,
+    num_pairs, top_k, hidden_size, inter, group, stride_xt, stride_we, stride_wn, stride_se, stride_sn,
     IS_INT4: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, ALPHA: tl.constexpr,
     LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -114,20 +114,24 @@ def w8a8_gate_up_kernel(
     row_scale = tl.load(x_scale + tokens, mask=row_ok, other=0.0)
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for g in range(0, num_groups):
-        exact_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
-        exact_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
-        for k0 in range(g * group, tl.minimum(g * group + group, hidden_size), BLOCK_K):
-            a = tl.load(a_rows + (k0 + offs_k)[None, :], mask=row_ok[:, None] & (offs_k < hidden_size - k0)[None, :],
-                        other=0)
-            exact_gate = tl.dot(a, _weight_tile(gate_w, weight_rows, col_ok, k0, hidden_size, offs_k, IS_INT4,
-                                                BLOCK_K), exact_gate, out_dtype=tl.int32)
-            exact_up = tl.dot(a, _weight_tile(up_w, weight_rows, col_ok, k0, hidden_size, offs_k, IS_INT4, BLOCK_K),
-                              exact_up, out_dtype=tl.int32)
-        s_gate = tl.load(gate_scale + expert * stride_se + cols * stride_sn + g, mask=col_ok, other=0.0)
-        s_up = tl.load(up_scale + expert * stride_se + cols * stride_sn + g, mask=col_ok, other=0.0)
-        acc_gate += exact_gate.to(tl.float32) * (row_scale[:, None] * s_gate.to(tl.float32)[None, :])
-        acc_up += exact_up.to(tl.float32) * (row_scale[:, None] * s_up.to(tl.float32)[None, :])
+    exact_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+    exact_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+    # one loop over K (so the loads are pipelined); a group's int32 sums move into float32 after its last tile
+    for k0 in range(0, hidden_size, BLOCK_K):
+        a = tl.load(a_rows + (k0 + offs_k)[None, :], mask=row_ok[:, None] & (offs_k < hidden_size - k0)[None, :],
+                    other=0)
+        exact_gate = tl.dot(a, _weight_tile(gate_w, weight_rows, col_ok, k0, hidden_size, offs_k, IS_INT4, BLOCK_K),
+                            exact_gate, out_dtype=tl.int32)
+        exact_up = tl.dot(a, _weight_tile(up_w, weight_rows, col_ok, k0, hidden_size, offs_k, IS_INT4, BLOCK_K),
+                          exact_up, out_dtype=tl.int32)
+        if ((k0 + BLOCK_K) % group == 0) | (k0 + BLOCK_K >= hidden_size):
+            scales = expert * stride_se + cols * stride_sn + k0 // group
+            s_gate = tl.load(gate_scale + scales, mask=col_ok, other=0.0).to(tl.float32)
+            s_up = tl.load(up_scale + scales, mask=col_ok, other=0.0).to(tl.float32)
+            acc_gate += exact_gate.to(tl.float32) * (row_scale[:, None] * s_gate[None, :])
+            acc_up += exact_up.to(tl.float32) * (row_scale[:, None] * s_up[None, :])
+            exact_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+            exact_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
     if HAS_BIAS:
         expert_bias = bias + expert * 2 * inter + cols
         acc_gate += tl.load(expert_bias, mask=col_ok, other=0.0)[None, :]
@@ -145,7 +149,7 @@ def w8a8_gate_up_kernel(
 @triton.jit
 def w8a8_down_kernel(
     a_q, a_scale, w, w_scale, bias, topk_weights, y, sorted_pair_ids, block_expert_ids,
-    num_pairs, hidden_size, inter, group, num_groups, stride_we, stride_wn, stride_se, stride_sn,
+    num_pairs, hidden_size, inter, group, stride_we, stride_wn, stride_se, stride_sn,
     IS_INT4: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -169,15 +173,15 @@ def w8a8_down_kernel(
     weight_rows = cols.to(tl.int64) * stride_wn
     row_scale = tl.load(a_scale + rows, mask=row_ok, other=0.0)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for g in range(0, num_groups):
-        exact = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
-        for k0 in range(g * group, tl.minimum(g * group + group, inter), BLOCK_K):
-            a = tl.load(a_rows + (k0 + offs_k)[None, :], mask=row_ok[:, None] & (offs_k < inter - k0)[None, :],
-                        other=0)
-            exact = tl.dot(a, _weight_tile(down_w, weight_rows, col_ok, k0, inter, offs_k, IS_INT4, BLOCK_K), exact,
-                           out_dtype=tl.int32)
-        s = tl.load(w_scale + expert * stride_se + cols * stride_sn + g, mask=col_ok, other=0.0)
-        acc += exact.to(tl.float32) * (row_scale[:, None] * s.to(tl.float32)[None, :])
+    exact = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+    for k0 in range(0, inter, BLOCK_K):  # as in w8a8_gate_up_kernel
+        a = tl.load(a_rows + (k0 + offs_k)[None, :], mask=row_ok[:, None] & (offs_k < inter - k0)[None, :], other=0)
+        exact = tl.dot(a, _weight_tile(down_w, weight_rows, col_ok, k0, inter, offs_k, IS_INT4, BLOCK_K), exact,
+                       out_dtype=tl.int32)
+        if ((k0 + BLOCK_K) % group == 0) | (k0 + BLOCK_K >= inter):
+            s = tl.load(w_scale + expert * stride_se + cols * stride_sn + k0 // group, mask=col_ok, other=0.0)
+            acc += exact.to(tl.float32) * (row_scale[:, None] * s.to(tl.float32)[None, :])
+            exact = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
     if HAS_BIAS:
         acc += tl.load(bias + expert * hidden_size + cols, mask=col_ok, other=0.0)[None, :]
     routing = tl.load(topk_weights + pairs, mask=row_ok, other=0.0)
@@ -254,7 +258,7 @@ def w8a8_moe(
     grid = (num_rows // gate_up_tiles.block_m, triton.cdiv(inter, gate_up_tiles.block_n))
     w8a8_gate_up_kernel[grid](
         x_q, x_scale, gate[0], gate[1], up[0], up[1], dummy if w_gate_up_bias is None else w_gate_up_bias, act,
-        sorted_pair_ids, block_experts, num_pairs, top_k, hidden_size, inter, group_h, gate[1].shape[2],
+        sorted_pair_ids, block_experts, num_pairs, top_k, hidden_size, inter, group_h,
         x_q.stride(0), gate[0].stride(0), gate[0].stride(1), gate[1].stride(0), gate[1].stride(1),
         IS_INT4=is_int4, HAS_BIAS=w_gate_up_bias is not None, **activation.constexprs(),
         **_launch_args(gate_up_tiles, group_h, hidden_size),
@@ -264,7 +268,7 @@ def w8a8_moe(
     grid = (num_rows // down_tiles.block_m, triton.cdiv(hidden_size, down_tiles.block_n))
     w8a8_down_kernel[grid](
         a_q, a_scale, down[0], down[1], dummy if w_down_bias is None else w_down_bias, topk_weights, y,
-        sorted_pair_ids, block_experts, num_pairs, hidden_size, inter, group_i, down[1].shape[2],
+        sorted_pair_ids, block_experts, num_pairs, hidden_size, inter, group_i,
         down[0].stride(0), down[0].stride(1), down[1].stride(0), down[1].stride(1),
         IS_INT4=is_int4, HAS_BIAS=w_down_bias is not None, **_launch_args(down_tiles, group_i, inter),
     )
@@ -300,8 +304,8 @@ def _check(x_q, x_scale, gate, up, down, topk_ids, topk_weights, group_size) -> 
     num_experts, inter = gate[0].shape[:2]
     if inter % 16:
         raise ValueError(f"I must be a multiple of 16, got {inter}")
-    shapes = {"gate": (num_experts, inter, hidden_size // per_byte), "up": (num_experts, inter, hidden_size // per_byte),
-              "down": (num_experts, hidden_size, inter // per_byte)}
+    gate_up_shape = (num_experts, inter, hidden_size // per_byte)
+    shapes = {"gate": gate_up_shape, "up": gate_up_shape, "down": (num_experts, hidden_size, inter // per_byte)}
     scale_dtypes = (torch.float32, torch.bfloat16) if is_int4 else (torch.float32,)
     for name, (codes, scales) in (("gate", gate), ("up", up), ("down", down)):
         num_cols = hidden_size if name != "down" else inter

@@ -1,8 +1,11 @@
-"""Large prefill steps of CPU-resident experts on the GPU (`hybrid.streaming`): the streamed weights, dequantized on
-the device and run through gpu_layers.fused_moe, give the CPU operator's output (float activations, exact to the
-stored weights) within bf16 rounding, for per-row and grouped int8 scales, int4 with float32 and bfloat16 scales
-(the -8 code in use), bf16 experts, two partitions and units of a few experts, through a ring of two device slots
-over several layers and steps. Runs under Triton's interpreter without a GPU (the whole-model tests need CUDA)."""
+"""Large prefill steps of CPU-resident experts on the GPU (`hybrid.streaming`). W8A8 layers (the CPU operator's
+default for int8/int4 experts) run the stored codes through gpu_layers.w8a8_moe and give the CPU operator's prefill
+output to float32 summation order (the same int8 rows, exact integer sums per group); layers computing in float
+and bf16 experts are dequantized on the device and run through gpu_layers.fused_moe, within bf16 rounding of the
+CPU's float output. For per-row and grouped int8 scales, int4 with float32 and bfloat16 scales (the -8 code in
+use), gpt-oss's activation and biases, two partitions and units of a few experts, through a ring of two device
+slots over several layers and steps. Runs under Triton's interpreter without a GPU (the whole-model tests need
+CUDA)."""
 
 from __future__ import annotations
 
@@ -36,10 +39,11 @@ def converted(source, tmp_path, *args):
 
 
 def cpu_layer(seed: int, dtype: str, group_size: int, num_experts=7, hidden_size=64, inter=96,
-              is_gpt_oss: bool = False, rank: int = 0, num_ranks: int = 1) -> CpuExperts:
-    """A CpuExperts over random experts in two partitions, computing in float (exact to the stored weights);
-    `is_gpt_oss`: gpt-oss's clamped activation with random biases, gate/up large enough to reach the clamp;
-    `rank` of `num_ranks`: that tensor-parallel rank's slice of I."""
+              is_gpt_oss: bool = False, rank: int = 0, num_ranks: int = 1, is_w8a8: bool = False) -> CpuExperts:
+    """A CpuExperts over random experts in two partitions, computing in float (exact to the stored weights), or
+    `is_w8a8` on int8 activation rows through its prefill path at any token count; `is_gpt_oss`: gpt-oss's
+    clamped activation with random biases, gate/up large enough to reach the clamp; `rank` of `num_ranks`: that
+    tensor-parallel rank's slice of I."""
     g = torch.Generator().manual_seed(seed)
     gain = 1.5 if is_gpt_oss else 1 / 8
     gate, up = (torch.randn(num_experts, inter, hidden_size, generator=g) * gain for _ in range(2))
@@ -49,7 +53,8 @@ def cpu_layer(seed: int, dtype: str, group_size: int, num_experts=7, hidden_size
         extra = dict(activation=SWIGLU_OAI, biases=(torch.randn(num_experts, inter, generator=g),
                                                     torch.randn(num_experts, inter, generator=g),
                                                     torch.randn(num_experts, hidden_size, generator=g)))
-    module = CpuExperts(0, int8_activations=False)
+    module = CpuExperts(0, prefill_min_tokens=1, int8_activations=True) if is_w8a8 else \
+        CpuExperts(0, int8_activations=False)
     module.load(PackedLayer.from_float(gate, up, down, dtype, group_size, num_partitions=2, rank=rank,
                                        num_ranks=num_ranks, **extra))
     assert len(module.op.layer.partitions) == 2
@@ -62,7 +67,8 @@ def int4_codes(*shape, generator) -> torch.Tensor:
     return torch.stack([formats.pack_int4(m) for m in q.flatten(0, -3)]).view(*shape[:-1], -(-shape[-1] // 2))
 
 
-def int4_layer(seed: int, scale_dtype: str, num_experts=7, hidden_size=64, inter=96, group=32) -> CpuExperts:
+def int4_layer(seed: int, scale_dtype: str, num_experts=7, hidden_size=64, inter=96, group=32,
+               is_w8a8: bool = False) -> CpuExperts:
     """Like `cpu_layer` for int4 experts, with every code in use (the -8 the converter's quantizer never writes)
     and the scales in `scale_dtype` (bfloat16: as the INT4 passthrough copies Kimi's)."""
     g = torch.Generator().manual_seed(seed)
@@ -74,7 +80,8 @@ def int4_layer(seed: int, scale_dtype: str, num_experts=7, hidden_size=64, inter
             tensors[name] = int4_codes(num_experts, n, k, generator=g)
         else:
             tensors[name] = (torch.rand(shape, generator=g) / 32 / shape[1] ** 0.5 * 8 + 1e-3).to(dtype)
-    module = CpuExperts(0, int8_activations=False)
+    module = CpuExperts(0, prefill_min_tokens=1, int8_activations=True) if is_w8a8 else \
+        CpuExperts(0, int8_activations=False)
     module.load(PackedLayer.from_file_tensors(tensors, spec, num_partitions=2))
     assert len(module.op.layer.partitions) == 2
     return module
@@ -88,14 +95,40 @@ def routed(num_tokens: int, num_experts: int = 7, seed: int = 0):
     return hidden, ids, torch.rand(num_tokens, 2, generator=g)
 
 
-def on_device(streamed: StreamedPrefill, hidden, ids, weights) -> torch.Tensor:
-    got = streamed.compute_on_gpu(hidden.to(DEVICE, torch.bfloat16), ids.to(DEVICE), weights.to(DEVICE))
-    assert got.dtype == torch.bfloat16
+def on_device(streamed: StreamedPrefill, hidden, ids, weights, dtype=torch.bfloat16) -> torch.Tensor:
+    got = streamed.compute_on_gpu(hidden.to(DEVICE, dtype), ids.to(DEVICE), weights.to(DEVICE))
+    assert got.dtype == dtype
     return got.float().cpu()
 
 
-def close(got: torch.Tensor, want: torch.Tensor) -> bool:
-    return float((got - want).norm() / want.norm()) < 1e-2
+def close(got: torch.Tensor, want: torch.Tensor, tolerance: float = 1e-2) -> bool:
+    return float((got - want).norm() / want.norm()) < tolerance
+
+
+# W8A8: the streamed step and the CPU operator's prefill differ only in float32 summation order and in exp (the
+# CPU's polynomial `fast_exp`, 5e-7 relative), which may move an act row's scale by an ulp and, rarely, one act
+# code by 1. Measured: 2e-7 to 4e-6 of the output's norm (a bf16 output alone would be 2e-3).
+W8A8_TOLERANCE = 2e-5
+
+
+@pytest.mark.parametrize("dtype,group_size", [("int8", 0), ("int8", 32), ("int4", "float32"), ("int4", "bfloat16")])
+def test_streamed_w8a8_layer_equals_the_cpu_operators_prefill(dtype, group_size):
+    """W8A8 layers stream their codes (no bf16 tables: units bounded by stored bytes alone) and round each
+    matmul's input rows to int8 as the CPU does; float32 in, float32 out, so nothing rounds to bf16."""
+    if dtype == "int4":
+        module = int4_layer(0, group_size, is_w8a8=True)
+    else:
+        module = cpu_layer(0, dtype, group_size, is_w8a8=True)
+    hidden, ids, weights = routed(19)
+    hidden[5] *= 40  # rows of very different absmax: each its own scale
+    streamed = StreamedPrefill(module, min_tokens=1, device=DEVICE)
+    assert streamed.is_w8a8
+    assert streamed.attach(ExpertStream(DEVICE), chunk_bytes=3 * module.op.layer.expert_bytes(), pin=False) > 0
+    want = module.op(hidden, ids, weights)
+    got = on_device(streamed, hidden, ids, weights, torch.float32)
+    assert close(got, want, W8A8_TOLERANCE), float((got - want).norm() / want.norm())
+    float_module = int4_layer(0, group_size) if dtype == "int4" else cpu_layer(0, dtype, group_size)
+    assert not close(float_module.op(hidden, ids, weights), want, W8A8_TOLERANCE)  # the rounding is seen
 
 
 @pytest.mark.parametrize("dtype,group_size", [("int8", 0), ("int8", 32), ("bf16", 0), ("int4", "float32"),
@@ -117,16 +150,20 @@ def test_streamed_layer_matches_the_cpu_operator(dtype, group_size):
     assert close(on_device(streamed, hidden, ids, weights), module.op(hidden, ids, weights))
 
 
-@pytest.mark.parametrize("dtype,group_size", [("int8", 0), ("bf16", 0)])
-def test_streamed_gpt_oss_layer_keeps_its_activation_and_biases(dtype, group_size):
+@pytest.mark.parametrize("dtype,group_size,is_w8a8", [("int8", 0, False), ("bf16", 0, False), ("int8", 0, True),
+                                                      ("int8", 32, True)])
+def test_streamed_gpt_oss_layer_keeps_its_activation_and_biases(dtype, group_size, is_w8a8):
     """gpt-oss's experts streamed: the clamped activation and the gate/up biases in every unit, the down bias once
-    per expert (units of both partitions add up), as the CPU operator computes them."""
-    module = cpu_layer(1, dtype, group_size, is_gpt_oss=True)
+    per expert (units of both partitions add up), as the CPU operator computes them (W8A8: to its tolerance)."""
+    module = cpu_layer(1, dtype, group_size, is_gpt_oss=True, is_w8a8=is_w8a8)
     hidden, ids, weights = routed(19)
     streamed = StreamedPrefill(module, min_tokens=1, device=DEVICE)
     assert streamed.attach(ExpertStream(DEVICE), chunk_bytes=3 * module.op.layer.expert_bytes(), pin=False) > 0
     want = module.op(hidden, ids, weights)
-    assert close(on_device(streamed, hidden, ids, weights), want)
+    if is_w8a8:
+        assert close(on_device(streamed, hidden, ids, weights, torch.float32), want, W8A8_TOLERANCE)
+    else:
+        assert close(on_device(streamed, hidden, ids, weights), want)
     plain = cpu_layer(1, dtype, group_size)  # the silu layer of other weights: far off, so the check can fail
     assert not close(plain.op(hidden, ids, weights), want)
 
