@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from checkpoints import SEEDS, VARIANTS, kimi_k2_config, make_checkpoint, prompt
-from gpu_support import DEVICE, poisoned
+from gpu_support import DEVICE, equal_but_rare_flips, poisoned
 
 from cpu_experts import formats
 from cpu_experts.expert_file import SWIGLU_OAI, ExpertLayerSpec
@@ -101,15 +101,14 @@ def on_device(streamed: StreamedPrefill, hidden, ids, weights, dtype=torch.bfloa
     return got.float().cpu()
 
 
-def close(got: torch.Tensor, want: torch.Tensor, tolerance: float = 1e-2) -> bool:
-    return float((got - want).norm() / want.norm()) < tolerance
+def close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return float((got - want).norm() / want.norm()) < 1e-2
 
 
 # W8A8: the streamed step and the CPU operator's prefill differ only in float32 summation order and in exp (the
 # CPU's polynomial `fast_exp`, 5e-7 relative), which may move an act row's scale by an ulp and, rarely, one act
-# code by 1. Measured under the interpreter: 9e-8 to 3e-7 of the output's norm (the float path's bf16 output alone
-# is ~2e-3 off, the int8 rounding of the activations ~1e-2).
-W8A8_TOLERANCE = 2e-5
+# code by 1 (`equal_but_rare_flips`). Measured under the interpreter: 9e-8 to 3e-7 of the output's norm, no flip
+# (the float path's bf16 output alone is ~2e-3 off, the int8 rounding of the activations ~1e-2).
 
 
 @pytest.mark.parametrize("dtype,group_size", [("int8", 0), ("int8", 32), ("int4", "float32"), ("int4", "bfloat16")])
@@ -126,10 +125,10 @@ def test_streamed_w8a8_layer_equals_the_cpu_operators_prefill(dtype, group_size)
     assert streamed.is_w8a8
     assert streamed.attach(ExpertStream(DEVICE), chunk_bytes=3 * module.op.layer.expert_bytes(), pin=False) > 0
     want = module.op(hidden, ids, weights)
-    got = on_device(streamed, hidden, ids, weights, torch.float32)
-    assert close(got, want, W8A8_TOLERANCE), float((got - want).norm() / want.norm())
+    assert max(u.last - u.first for u in streamed.stream.units) >= 3  # no bf16 tables bound the units
+    assert equal_but_rare_flips(on_device(streamed, hidden, ids, weights, torch.float32), want)
     float_module = int4_layer(0, group_size) if dtype == "int4" else cpu_layer(0, dtype, group_size)
-    assert not close(float_module.op(hidden, ids, weights), want, W8A8_TOLERANCE)  # the rounding is seen
+    assert not equal_but_rare_flips(float_module.op(hidden, ids, weights), want)  # the rounding is seen
 
 
 @pytest.mark.parametrize("dtype,group_size", [("int8", 0), ("int8", 32), ("bf16", 0), ("int4", "float32"),
@@ -162,7 +161,7 @@ def test_streamed_gpt_oss_layer_keeps_its_activation_and_biases(dtype, group_siz
     assert streamed.attach(ExpertStream(DEVICE), chunk_bytes=3 * module.op.layer.expert_bytes(), pin=False) > 0
     want = module.op(hidden, ids, weights)
     if is_w8a8:
-        assert close(on_device(streamed, hidden, ids, weights, torch.float32), want, W8A8_TOLERANCE)
+        assert equal_but_rare_flips(on_device(streamed, hidden, ids, weights, torch.float32), want)
     else:
         assert close(on_device(streamed, hidden, ids, weights), want)
     plain = cpu_layer(1, dtype, group_size)  # the silu layer of other weights: far off, so the check can fail
