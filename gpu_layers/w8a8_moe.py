@@ -41,7 +41,7 @@ from gpu_layers.w8a8_moe_reference import (  # noqa: F401 (part of this module's
 # CONFIGS[capability] = (gate_up tiles, down tiles). Registers bound the tiles: each output element has an int32
 # and a float32 accumulator, two of each in gate_up, whose 64 x 64 tile spilled on SM120 (255 registers); the
 # smaller tiles also fit 99 KiB of shared memory. Hopper takes the same until measured otherwise.
-_TILES = (Tiles(64, 32, 128, 4, 3), Tiles(64, 64, 128, 4, 3))
+_TILES = (Tiles(64, 32, 128, 4, 3), Tiles(64, 64, 128, 4, 3))  # one BLOCK_M: both walk moe_align's row blocks
 CONFIGS = {89: _TILES, 90: _TILES, 120: _TILES}
 BLOCK_KS = (32, 64, 128)  # every BLOCK_K a launch can take (`block_k`)
 QUANTIZE_BLOCK = 1024  # columns per step of quantize_rows_kernel
@@ -208,8 +208,6 @@ def quantize_rows(x: torch.Tensor, q: torch.Tensor | None = None, scale: torch.T
     return q, scale
 
 
-
-
 def block_k(tiles: Tiles, group: int, num_cols: int) -> int:
     """The K tile of a launch: the config's for one group a row (masks cover a short last tile), else the largest
     of BLOCK_KS dividing `group` (whole tiles per group)."""
@@ -241,7 +239,7 @@ def w8a8_moe(
     _check_bias(x_q, gate[0].shape[0], inter, w_gate_up_bias, w_down_bias, activation)
     num_tokens, hidden_size = x_q.shape
     num_experts = gate[0].shape[0]
-    out = torch.zeros(num_tokens, hidden_size, dtype=torch.float32, device=x_q.device)
+    out = torch.empty(num_tokens, hidden_size, dtype=torch.float32, device=x_q.device)  # moe_sum writes every row
     if num_tokens == 0:
         return out
     top_k = topk_ids.shape[1]
@@ -263,7 +261,7 @@ def w8a8_moe(
         IS_INT4=is_int4, HAS_BIAS=w_gate_up_bias is not None, **activation.constexprs(),
         **_launch_args(gate_up_tiles, group_h, hidden_size),
     )
-    a_q, a_scale = quantize_rows(act)
+    a_q, a_scale = quantize_rows(act)  # rows of unused blocks hold garbage: their codes are never read
     y = torch.empty(num_pairs, hidden_size, dtype=torch.float32, device=x_q.device)
     grid = (num_rows // down_tiles.block_m, triton.cdiv(hidden_size, down_tiles.block_n))
     w8a8_down_kernel[grid](
