@@ -320,3 +320,22 @@ def test_prefill_through_streamed_experts_matches_gpu_resident_experts(model, so
     assert float((got - want).norm() / want.norm()) < 1e-3
     for llm in (streamed, resident):
         llm.close()  # stops its executor and unpins the weights
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the engine streams experts on CUDA only")
+@pytest.mark.parametrize("model", ["int8", "int4"])
+def test_w8a8_prefill_does_not_depend_on_streaming(model, source, tmp_path):
+    """The numerics contract end to end: W8A8 experts (the default) give the same prefill logits whether the step's
+    experts are streamed to the GPU or computed by the CPU operator, up to float32 summation order inside the
+    experts (then the bf16 model's own rounding)."""
+    group = ["--group-size", "32"] if model == "int4" else []
+    path = converted(source, tmp_path, "--expert-dtype", model, *group)
+    args = dict(device="cuda", dtype="bfloat16")
+    streamed = LLM(path, gpu_prefill_tokens=33, **args)
+    assert streamed.num_pinned_bytes > 0
+    cpu = LLM(path, gpu_prefill_tokens=0, **args)
+    ids = prompt(40, seed=2)
+    got, want = streamed.prefill_logits(ids), cpu.prefill_logits(ids)
+    assert float((got - want).norm() / want.norm()) < 5e-3
+    for llm in (streamed, cpu):
+        llm.close()
