@@ -94,7 +94,10 @@ def w8a8_gate_up_kernel(
 ):
     """act[rows, cols] float32 = glu(gate, up) of one row block of one expert (module docstring, step 3). gate
     and up share strides (codes [E, I, H] or packed [E, I, H / 2]; scales [E, I, G]); group % BLOCK_K == 0."""
+    # multiples of 16 (8 for int4 rows' bytes), written so that every compile can prove it: the loads are then
+    # vectors and software-pipelined (as in fused_moe's kernels; without it the gate_up loop was not)
     stride_xt, stride_wn, stride_we = stride_xt // 16 * 16, stride_wn // 8 * 8, stride_we // 8 * 8
+    hidden_size, inter = hidden_size // 16 * 16, inter // 16 * 16
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ids + pid_m).to(tl.int64)
@@ -155,8 +158,8 @@ def w8a8_down_kernel(
 ):
     """y[pairs, cols] float32 = routing weight * (grouped a_q . down + b_down) of one row block of one expert
     (module docstring, step 5); a_q [R, I] int8 in the sorted rows, down codes [E, H, I] or packed [E, H, I / 2]."""
-    stride_wn, stride_we = stride_wn // 8 * 8, stride_we // 8 * 8
-    inter = inter // 16 * 16
+    stride_wn, stride_we = stride_wn // 8 * 8, stride_we // 8 * 8  # see w8a8_gate_up_kernel
+    hidden_size, inter = hidden_size // 16 * 16, inter // 16 * 16
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ids + pid_m).to(tl.int64)
