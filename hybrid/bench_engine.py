@@ -292,6 +292,16 @@ def streamed_bytes_per_step(llm: LLM, num_tokens: int) -> int | None:
     return sum(a.nbytes for unit in stream.units for a in unit.arrays().values())
 
 
+def split_cpu_fraction(llm: LLM) -> float | None:
+    """Of the routed CPU-resident experts of the split streamed steps (`hybrid.prefill_split`, warm-up included),
+    the fraction the CPU computed; None without such steps (`--prefill-cpu-share 0` or 1, or nothing streamed).
+    The bound above counts every expert streamed."""
+    counts = [m.streamed.num_split_experts for m in llm.model.modules()
+              if isinstance(m, RoutedExperts) and m.streamed is not None]
+    total = sum(c[0] + c[1] for c in counts)
+    return sum(c[0] for c in counts) / total if total else None
+
+
 def _warm_up(engine: Engine, llm: LLM, args, spec: GuidedSpec | None = None) -> None:
     """The measured work once, shortened, so that every kernel it reaches is compiled before the timing: numba
     compiles a kernel on its first call (up to seconds), and a step split unlike the warm-up's (prompts over two
@@ -368,6 +378,7 @@ def run(args) -> dict:
             "of_physical_bound": physical_s / step_s, "defer_experts": config.defer_experts,
             "deferral_kl": kl, "streamed_gb": None if streamed_bytes is None else streamed_bytes / 1e9,
             "link_gb_s": None if link_bw is None else link_bw / 1e9, "profile": profile_rows,
+            "prefill_cpu_share": config.prefill_cpu_share, "split_cpu_fraction": split_cpu_fraction(llm),
             "num_layers": llm.config.num_layers, **guided}
 
 
@@ -434,6 +445,9 @@ def main(argv: list[str], mode: str) -> int:
     if "guided_ratio" in row:
         print(f"JSON schema on every request: {row['guided_tokens_per_s']:.1f} tokens/s against "
               f"{row['plain_tokens_per_s']:.1f} without, {row['guided_ratio']:.3f} of it")
+    if row["split_cpu_fraction"] is not None:
+        print(f"prefill split ({row['prefill_cpu_share']}): {row['split_cpu_fraction']:.0%} of the routed "
+              f"CPU-resident experts computed on the CPU, the rest streamed")
     if row["deferral_kl"] is not None:
         print(f"defer_experts {row['defer_experts']}: KL(exact || deferred) {row['deferral_kl']:.2e} nats/token")
     return 0

@@ -61,16 +61,27 @@ def _int_or_str(text: str) -> int | str:
         return text
 
 
+def _float_or_str(text: str) -> float | str:
+    """`float | str` options (`--prefill-cpu-share 0.5` or `--prefill-cpu-share auto`)."""
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
 def _is_str_tuple(hint) -> bool:
     return typing.get_origin(hint) is tuple and typing.get_args(hint) == (str, ...)
 
 
 def _base_type(hint) -> type:
-    """`int | None` -> int; `int | str` -> int where the text is a number; `Path` -> Path; plain types unchanged."""
+    """`int | None` -> int; `int | str` (`float | str`) -> int (float) where the text is a number; `Path` -> Path;
+    plain types unchanged."""
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         if set(args) == {int, str}:
             return _int_or_str
+        if set(args) == {float, str}:
+            return _float_or_str
         if len(args) != 1:
             raise TypeError(f"unsupported option type {hint}")
         hint = args[0]

@@ -79,6 +79,12 @@ class EngineConfig:
     gpu_prefill_tokens: int | str = field(default="auto", metadata=_help(
         "steps of at least this many tokens compute CPU-resident experts on the GPU, streaming their int8/int4/bf16 "
         "weights over PCIe (CUDA only; 0: never; 'auto': 16 x experts / top-k tokens)"))
+    # `hybrid.prefill_split`: a streamed step's experts with the fewest tokens stay on the CPU, computed while the
+    # others stream; "auto" balances the two sides on the link's and the CPU's rates measured at start-up. Default 0
+    # (stream all, the path measured on the device) until the split has run on a GPU
+    prefill_cpu_share: float | str = field(default=0.0, metadata=_help(
+        "streamed prefill steps: the fraction of routed CPU-resident experts (fewest tokens first) the CPU computes "
+        "while the rest stream to the GPU (0: stream all; 1: none; 'auto': both sides finish together)"))
     gpu_memory_utilization: float = field(default=0.9, metadata=_help(
         "with --gpu-experts auto: the fraction of GPU memory the engine may fill"))
     # capped "auto" (a benchmark's GPU that holds a quarter of the experts)
@@ -131,6 +137,10 @@ class EngineConfig:
                 and 0 < self.gpu_prefill_tokens <= self.max_graph_batch:
             raise ConfigError(f"gpu_prefill_tokens {self.gpu_prefill_tokens} must be above max_graph_batch "
                               f"{self.max_graph_batch} (graph steps hand their experts to the CPU), or 0")
+        if self.prefill_cpu_share != "auto" and not (isinstance(self.prefill_cpu_share, (int, float))
+                                                      and 0 <= self.prefill_cpu_share <= 1):
+            raise ConfigError(f"prefill_cpu_share must be a fraction in [0, 1] or 'auto', got "
+                              f"{self.prefill_cpu_share!r}")
         if self.hot_experts_interval < 0 or self.hot_experts_swaps < 1:
             raise ConfigError(f"hot_experts_interval must be >= 0 (0: off) and hot_experts_swaps >= 1, got "
                               f"{self.hot_experts_interval} and {self.hot_experts_swaps}")
@@ -157,6 +167,11 @@ class EngineConfig:
     @property
     def is_cuda(self) -> bool:
         return torch.device(self.device).type == "cuda"
+
+    @property
+    def cpu_share(self) -> float | None:
+        """`prefill_cpu_share` as `hybrid.streaming.StreamedPrefill` takes it: None for "auto"."""
+        return None if self.prefill_cpu_share == "auto" else float(self.prefill_cpu_share)
 
     @property
     def is_cpu_placement(self) -> bool:

@@ -33,6 +33,7 @@ from hybrid.models import load_model_config
 from hybrid.models.base import MoECausalLM
 from hybrid.parallel import check_tensor_parallel
 from hybrid.placement import ExpertPlacement, RoutingRecorder, RoutingStats, activation_bytes, auto_gpu_experts
+from hybrid.prefill_split import PrefillRates, measure_cpu, measure_link
 from hybrid.rank_stats import RankCounters, RankStats, RankTable
 from hybrid.routed_experts import RoutedExperts, cpu_experts_factory
 from hybrid.sampling import NON_FINITE_LOGITS, SamplingParams
@@ -129,6 +130,7 @@ class LLM:
                 module.fuse_qkv()  # attention's q/k/v as one GEMV (only with the kernels' ops)
         streamed = [m.streamed for m in self.model.modules() if isinstance(m, RoutedExperts) and m.streamed]
         self.expert_stream, self.num_pinned_bytes = attach_streamed(streamed, cfg.device) if streamed else (None, 0)
+        self._measure_prefill_rates([m for m in streamed if m.stream is not None])
         self._start_cpu_side(is_cpu_experts, cpus, num_threads)
         self._allocate_caches(num_blocks)
         self.engine = None  # what generate() runs through: the newest Engine(self), else one generate() builds
@@ -314,7 +316,20 @@ class LLM:
         return partial(cpu_experts_factory, handoff=self.cpu_handoff, placement=placement, rank=self.tp.rank,
                        int8_activations=cfg.expert_activations == "int8",
                        is_fused=uses_gemm_kernels(cfg.device, cfg.kernels, cfg.torch_dtype),
-                       min_streamed_tokens=self.gpu_prefill_tokens, device=cfg.device, num_spare_slots=num_spare)
+                       min_streamed_tokens=self.gpu_prefill_tokens, device=cfg.device, num_spare_slots=num_spare,
+                       prefill_cpu_share=cfg.cpu_share)
+
+    def _measure_prefill_rates(self, streamed: list) -> None:
+        """The rates every streamed layer's split is balanced on (`hybrid.prefill_split`), measured once after
+        loading where the split is "auto": the link's, and the CPU operator's on the first streamed layer."""
+        if not streamed or self.engine_config.cpu_share is not None:
+            return
+        rates = PrefillRates(link_bytes_per_s=measure_link(self.engine_config.device))
+        with torch.inference_mode():
+            rates = measure_cpu(streamed[0].cpu_experts, self.config.moe.top_k, rates)
+        log.info("prefill split rates: %s", rates)
+        for module in streamed:
+            module.rates = rates
 
     def attach_engine(self, engine) -> None:
         """`Engine.__init__` calls this: the newest engine over the model is the one `generate` runs through (one

@@ -65,7 +65,7 @@ class RoutedExperts(TritonExperts):
         self.handoff = handoff
         self.streamed = streamed
         self.register_buffer("local_slot", self._slots(), persistent=False)  # global id -> GPU slot, or -1
-        self._pending: tuple[bool, torch.Tensor | None, torch.Tensor | None] | None = None
+        self._pending: tuple[bool, torch.Tensor | None] | None = None  # (CPU part handed off, device part)
 
     @property
     def has_cpu_part(self) -> bool:
@@ -154,25 +154,30 @@ class RoutedExperts(TritonExperts):
         if self._pending is not None:
             raise RuntimeError(f"layer {self.layer_idx}: submit() while a submit is pending: collect() first")
         local, cpu_ids = self._split(topk_ids)
-        cpu_out = None
+        streamed_out = None
         if cpu_ids is not None:
             streamed = self.streamed
+            streamed_ids = experts = None
             if streamed is not None and self.handoff.mode is StepMode.EAGER and streamed.takes(hidden):
-                cpu_out = streamed.compute_on_gpu(hidden, cpu_ids, topk_weights)
-            else:
+                # a streamed step: some experts may stay on the CPU (`hybrid.prefill_split`), computed meanwhile
+                cpu_ids, streamed_ids, experts = streamed.split(cpu_ids)
+            if cpu_ids is not None:
                 self.handoff.submit(self.cpu_experts, hidden, cpu_ids, topk_weights)
+            if streamed_ids is not None:
+                streamed_out = streamed.compute_on_gpu(hidden, streamed_ids, topk_weights, experts)
         gpu_out = super().forward(hidden, local, topk_weights) if local is not None else None  # while the CPU works
-        self._pending = (cpu_ids is not None, cpu_out, gpu_out)
+        if streamed_out is not None:
+            gpu_out = streamed_out if gpu_out is None else gpu_out + streamed_out
+        self._pending = (cpu_ids is not None, gpu_out)
 
     def collect(self, like: torch.Tensor) -> torch.Tensor:
         """The submitted step's output [T, H] in `like`'s dtype, on its device."""
         if self._pending is None:
             raise RuntimeError(f"layer {self.layer_idx}: collect() without a pending submit()")
-        (has_cpu, cpu_out, gpu_out), self._pending = self._pending, None
-        if has_cpu and cpu_out is None:
-            cpu_out = self.handoff.collect(like)
-        if cpu_out is None:
-            return gpu_out
+        (has_cpu, gpu_out), self._pending = self._pending, None
+        cpu_out = self.handoff.collect(like) if has_cpu else None
+        if cpu_out is None:  # neither side when a split step's tokens route to none of this rank's experts
+            return gpu_out if gpu_out is not None else torch.zeros_like(like)
         return cpu_out if gpu_out is None else cpu_out + gpu_out
 
     def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -187,10 +192,12 @@ def device_experts_factory(layer_idx: int, config, is_fused: bool = False) -> Ro
 
 def cpu_experts_factory(layer_idx: int, config, handoff: CpuHandoff, placement: ExpertPlacement | None = None,
                         int8_activations: bool = True, is_fused: bool = False, min_streamed_tokens: int = 0,
-                        device: torch.device | str = "cpu", rank: int = 0, num_spare_slots: int = 0) -> RoutedExperts:
+                        device: torch.device | str = "cpu", rank: int = 0, num_spare_slots: int = 0,
+                        prefill_cpu_share: float | None = 0.0) -> RoutedExperts:
     """The CPU operator for the layer's experts, less those `placement` keeps on the GPUs (rank `rank`'s on its
     own); `min_streamed_tokens` > 0: eager steps of that many tokens stream the CPU experts' weights to `device`
-    instead (`hybrid.streaming`); `num_spare_slots`: free GPU slots that hot experts copy into (`hybrid.hot_experts`).
+    instead (`hybrid.streaming`), but for `prefill_cpu_share` of them (None: balanced on the rates `LLM` measures,
+    `hybrid.prefill_split`); `num_spare_slots`: free GPU slots that hot experts copy into (`hybrid.hot_experts`).
     The CPU operator is loaded later, with the rank's slice of I (every expert of it, resident or not)."""
     gpu_ids = placement.on_rank(layer_idx, rank) if placement is not None else ()
     resident = placement.gpu_experts.get(layer_idx, ()) if placement is not None else ()
@@ -200,7 +207,7 @@ def cpu_experts_factory(layer_idx: int, config, handoff: CpuHandoff, placement: 
             return device_experts_factory(layer_idx, config, is_fused)
         return RoutedExperts(layer_idx, config, gpu_ids, is_fused=is_fused, other_rank_expert_ids=others)
     cpu = CpuExperts(layer_idx, int8_activations=int8_activations)
-    streamed = StreamedPrefill(cpu, min_streamed_tokens, device) if min_streamed_tokens else None
+    streamed = StreamedPrefill(cpu, min_streamed_tokens, device, prefill_cpu_share) if min_streamed_tokens else None
     return RoutedExperts(layer_idx, config, gpu_ids, cpu, handoff, is_fused, streamed, others, num_spare_slots)
 
 

@@ -25,6 +25,9 @@ Pieces:
   float (`expert_activations="float"`) and bf16 experts: weights -> bf16 (`gpu_layers.dequant`, gate and up side by
   side in one [c, 2Ip, H] table) -> `gpu_layers.fused_moe` on bf16 activations. Layers whose weights could not be
   page-locked stay on the CPU.
+- The split (`hybrid.prefill_split`, `StreamedPrefill.split`): unless `cpu_share` is 0, the step's experts with
+  the fewest tokens go to the CPU operator instead and only the others' weights cross, packed in a slot
+  (`ExpertStream.acquire_rows`, copied once the layer's routing is known, nothing ahead).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from gpu_layers.dequant import dequantize_int4, dequantize_int8
 from gpu_layers.fused_moe import Activation, fused_moe
 from gpu_layers.w8a8_moe import BLOCK_KS, quantize_rows, w8a8_moe
 from hybrid.engine_config import EngineConfig
+from hybrid.prefill_split import PrefillRates, plan_cpu_experts
 
 STREAMED_DTYPES = ("int8", "int4", "bf16")
 # gpu_prefill_tokens="auto": stream a step's experts once each gets this many of its tokens on average. On the H200
@@ -138,6 +142,31 @@ class ExpertStream:
             torch.cuda.current_stream(self.device).wait_event(self._copied[slot])
         return self._views(slot, self.units[index].arrays())
 
+    def acquire_rows(self, index: int, rows: np.ndarray) -> dict[str, torch.Tensor]:
+        """Like `acquire`, for experts `rows` (sorted, relative to the unit's first) of unit `index` only, packed
+        in that order ([len(rows), ...] each); copied now, nothing ahead (a split step knows its streamed experts
+        only after the layer's routing, `hybrid.prefill_split`). Pair with `release(index)`."""
+        slot = index % self.num_slots
+        arrays = self.units[index].arrays()
+        views = self._views(slot, {role: a[:len(rows)] for role, a in arrays.items()})
+        breaks = np.flatnonzero(np.diff(rows) != 1) + 1
+        runs = [(int(run[0]), len(run)) for run in np.split(rows, breaks)]  # consecutive experts copy as one
+        stream = torch.cuda.stream(self._copy_stream) if self._is_cuda else contextlib.nullcontext()
+        with stream:
+            if self._is_cuda:
+                self._copy_stream.wait_event(self._freed[slot])
+            at = 0
+            for first, count in runs:
+                for role, view in views.items():
+                    view[at:at + count].copy_(torch.from_numpy(arrays[role][first:first + count]), non_blocking=True)
+                at += count
+            if self._is_cuda:
+                self._copied[slot].record(self._copy_stream)
+        if self._is_cuda:  # the compute's stream, outside the copy stream's context
+            torch.cuda.current_stream(self.device).wait_event(self._copied[slot])
+        self._slot_unit[slot] = -1  # holds part of a unit: a later `acquire` copies the whole one again
+        return views
+
     def release(self, index: int) -> None:
         if self._is_cuda:
             self._freed[index % self.num_slots].record(torch.cuda.current_stream(self.device))
@@ -170,9 +199,15 @@ class ExpertStream:
 class StreamedPrefill:
     """Streamed prefill of one layer's CPU experts (module docstring); `RoutedExperts` asks `takes` per step."""
 
-    def __init__(self, cpu: CpuExperts, min_tokens: int, device: torch.device | str):
+    def __init__(self, cpu: CpuExperts, min_tokens: int, device: torch.device | str, cpu_share: float | None = 0.0,
+                 rates: PrefillRates | None = None):
+        """`cpu_share`: the fraction of a step's routed experts the CPU computes beside the streamed ones (None:
+        balanced on `rates`, `hybrid.prefill_split`; 0: all streamed)."""
         self.cpu_experts = cpu
         self.min_tokens = min_tokens
+        self.cpu_share = cpu_share
+        self.rates = rates if rates is not None else PrefillRates()
+        self.num_split_experts = [0, 0]  # over the split steps so far: routed experts on the CPU, streamed (metrics)
         self.device = torch.device(device)
         self.stream: ExpertStream | None = None
         self.units = range(0)
@@ -211,38 +246,75 @@ class StreamedPrefill:
         return (self.stream is not None and hidden.shape[0] >= self.min_tokens
                 and hidden.device.type == self.device.type)  # "cuda" and "cuda:0" alike
 
-    def compute_on_gpu(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
+    def split(self, topk_ids: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, np.ndarray | None]:
+        """A streamed step's CPU-resident ids [T, K] (-1: elsewhere) -> (the CPU operator's ids or None, the streamed
+        ids or None, the streamed experts or None: all of them through the ring). A share strictly between 0 and 1
+        or "auto" reads the step's per-expert token counts (one host sync a layer)."""
+        if self.cpu_share == 0:
+            return None, topk_ids, None
+        if self.cpu_share == 1:
+            return topk_ids, None, None
+        ids = topk_ids.long()
+        num_experts = self.cpu_experts.op.layer.spec.num_experts
+        counts = torch.bincount(ids[ids >= 0], minlength=num_experts).cpu().numpy()
+        layer = self.cpu_experts.op.layer
+        flops_per_token = 2 * 3 * layer.spec.hidden_size * sum(p.size for p in layer.partitions)
+        on_cpu = plan_cpu_experts(counts, flops_per_token, layer.expert_bytes(), self.rates, self.cpu_share)
+        streamed = np.setdiff1d(np.flatnonzero(counts), on_cpu)
+        self.num_split_experts[0] += on_cpu.size
+        self.num_split_experts[1] += streamed.size
+        is_cpu = torch.zeros(num_experts + 1, dtype=torch.bool)  # index E: the -1 ids
+        is_cpu[torch.from_numpy(on_cpu)] = True
+        mask = is_cpu.to(ids.device)[torch.where(ids >= 0, ids, num_experts)]
+        cpu_ids = torch.where(mask, topk_ids, -1) if on_cpu.size else None
+        return cpu_ids, torch.where(mask, -1, topk_ids) if streamed.size else None, streamed
+
+    def compute_on_gpu(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                       experts: np.ndarray | None = None):
         """hidden [T, H] (bf16/fp16; float32 too for W8A8 layers), topk_ids [T, K] (-1: not here) -> [T, H] in
-        hidden's dtype; no host sync."""
+        hidden's dtype. `experts` None: every unit through the ring, no host sync; else only those experts'
+        weights (sorted ids, those `topk_ids` routes to) cross."""
         dtype = hidden.dtype
         ids = topk_ids.to(torch.int32)
         weights = topk_weights.float().contiguous()
-        spec = self.cpu_experts.op.layer.spec
-        activation = Activation(spec.activation.kind, spec.activation.alpha, spec.activation.limit)
         if self.is_w8a8:
-            rows = quantize_rows(hidden.contiguous())  # the CPU's int8 rows, once for every unit
+            x = quantize_rows(hidden.contiguous())  # the CPU's int8 rows (codes, scales), once for every unit
         else:
-            hidden = hidden.to(torch.bfloat16).contiguous()  # the tables are bf16; no copy when it already is
+            x = hidden.to(torch.bfloat16).contiguous()  # the tables are bf16; no copy when it already is
         out = None
         for index in self.units:
             unit = self.stream.units[index]
-            arrays = self.stream.acquire(index)
-            gate_up_bias = down_bias = None
-            if spec.has_bias:  # gate/up rows of this partition; the down bias once per expert, with partition 0
-                gate_up_bias = torch.cat([arrays["gate_bias"], arrays["up_bias"]], dim=1)  # [c, 2Ip]
-                down_bias = self._down_bias(hidden.device)[unit.first:unit.last] \
-                    if unit.partition == 0 and self.cpu_experts.op.layer.down_bias is not None else None  # rank 0
-            if self.is_w8a8:
-                gate, up, down = ((arrays[role], _scales(arrays[f"{role}_scales"])) for role in ("gate", "up", "down"))
-                part = w8a8_moe(*rows, gate, up, down, ids - unit.first, weights, group_size=spec.group_size,
-                                activation=activation, w_gate_up_bias=gate_up_bias, w_down_bias=down_bias)
+            if experts is None:
+                arrays, unit_ids, rows = self.stream.acquire(index), ids - unit.first, slice(unit.first, unit.last)
             else:
-                gate_up, down = self._bf16_tables(arrays, spec.group_size)
-                part = fused_moe(hidden, gate_up, down, ids - unit.first, weights, activation=activation,
-                                 w_gate_up_bias=gate_up_bias, w_down_bias=down_bias).float()
+                rows = experts[(experts >= unit.first) & (experts < unit.last)]
+                if not rows.size:
+                    continue
+                arrays, unit_ids = self.stream.acquire_rows(index, rows - unit.first), _packed_ids(ids, rows)
+                rows = torch.from_numpy(rows)
+            part = self._unit_output(x, arrays, unit, unit_ids, weights, rows, hidden.device)
             self.stream.release(index)
             out = part if out is None else out.add_(part)
-        return out.to(dtype)
+        return (out if out is not None else torch.zeros_like(hidden, dtype=torch.float32)).to(dtype)
+
+    def _unit_output(self, x, arrays: dict[str, torch.Tensor], unit: Unit, unit_ids: torch.Tensor,
+                     weights: torch.Tensor, rows, device: torch.device) -> torch.Tensor:
+        """One unit's float32 [T, H]: x the int8 rows (codes, scales) of a W8A8 layer, else bf16 hidden; `rows` the
+        layer's experts in the unit's order (the down bias's rows)."""
+        spec = self.cpu_experts.op.layer.spec
+        activation = Activation(spec.activation.kind, spec.activation.alpha, spec.activation.limit)
+        gate_up_bias = down_bias = None
+        if spec.has_bias:  # gate/up rows of this partition; the down bias once per expert, with partition 0
+            gate_up_bias = torch.cat([arrays["gate_bias"], arrays["up_bias"]], dim=1)  # [c, 2Ip]
+            down_bias = self._down_bias(device)[rows] \
+                if unit.partition == 0 and self.cpu_experts.op.layer.down_bias is not None else None  # rank 0
+        if self.is_w8a8:
+            gate, up, down = ((arrays[role], _scales(arrays[f"{role}_scales"])) for role in ("gate", "up", "down"))
+            return w8a8_moe(*x, gate, up, down, unit_ids, weights, group_size=spec.group_size, activation=activation,
+                            w_gate_up_bias=gate_up_bias, w_down_bias=down_bias)
+        gate_up, down = self._bf16_tables(arrays, spec.group_size)
+        return fused_moe(x, gate_up, down, unit_ids, weights, activation=activation, w_gate_up_bias=gate_up_bias,
+                         w_down_bias=down_bias).float()
 
     def _down_bias(self, device: torch.device) -> torch.Tensor:
         """The layer's down bias [E, H] float32 on the device (a few MB, copied once)."""
@@ -269,6 +341,15 @@ class StreamedPrefill:
         dequantize_int4(gate, scales["gate"], group_size or hidden_size, hidden_size, gate_up[:, :inter])
         dequantize_int4(up, scales["up"], group_size or hidden_size, hidden_size, gate_up[:, inter:])
         return gate_up, dequantize_int4(down, scales["down"], group_size or inter, inter)
+
+
+def _packed_ids(ids: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
+    """ids [T, K] int32 (global, -1: not here) -> positions in `rows` (the packed experts, sorted), -1 elsewhere."""
+    ids_long = ids.long()
+    position = torch.full((int(rows[-1]) + 2,), -1, dtype=torch.int32)  # last index: ids past rows[-1] and -1
+    position[torch.from_numpy(rows)] = torch.arange(len(rows), dtype=torch.int32)
+    position = position.to(ids.device)
+    return position[torch.where((ids_long >= 0) & (ids_long <= int(rows[-1])), ids_long, len(position) - 1)]
 
 
 def _scales(scales: torch.Tensor) -> torch.Tensor:

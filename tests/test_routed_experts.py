@@ -103,7 +103,10 @@ class AlwaysStreams:
     def takes(self, hidden):
         return True
 
-    def compute_on_gpu(self, hidden, topk_ids, topk_weights):
+    def split(self, topk_ids):
+        return None, topk_ids, None  # every expert streamed (prefill_cpu_share 0)
+
+    def compute_on_gpu(self, hidden, topk_ids, topk_weights, experts=None):
         return torch.full_like(hidden, 3.0)
 
 

@@ -308,7 +308,7 @@ def test_prefill_through_streamed_experts_matches_gpu_resident_experts(model, so
         group = ["--group-size", "32"] if model == "int4" else []
         path = converted(source, tmp_path, "--expert-dtype", model, *group)
     args = dict(device="cuda", dtype="bfloat16", expert_activations="float")
-    streamed = LLM(path, gpu_prefill_tokens=33, **args)
+    streamed = LLM(path, gpu_prefill_tokens=33, prefill_cpu_share=0, **args)  # every expert streamed
     assert streamed.num_pinned_bytes > 0
     # The same experts resident on the GPU (gpu_experts: dequantized at load by the formats' reference) run the same
     # fused kernel on the same bf16 weights (w * scale rounded once): the streamed step must match it to rounding.
