@@ -43,7 +43,7 @@ def dequantize_int8_kernel(
 
 
 
-def _checked_out(out: torch.Tensor | None, shape: tuple[int, ...], w: torch.Tensor, scales: torch.Tensor
+def checked_table(out: torch.Tensor | None, shape: tuple[int, ...], w: torch.Tensor, scales: torch.Tensor
                  ) -> torch.Tensor:
     """The launchers' bf16 output [E, N, K] (allocated if None), checked: unit column stride, w's device."""
     if out is None:
@@ -65,7 +65,7 @@ def dequantize_int8(w: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | N
             or not scales.is_contiguous() or num_cols % scales.shape[2]:
         raise ValueError(f"scales must be contiguous float32 [E, N, G] = [{num_experts}, {rows_per_expert}, G] with G "
                          f"dividing K={num_cols}, got {tuple(scales.shape)} {scales.dtype}")
-    out = _checked_out(out, tuple(w.shape), w, scales)
+    out = checked_table(out, tuple(w.shape), w, scales)
     num_rows = num_experts * rows_per_expert
     if num_rows == 0 or num_cols == 0:
         return out
@@ -111,7 +111,7 @@ def dequantize_int4(w: torch.Tensor, scales: torch.Tensor, group_size: int, num_
             or scales.dtype not in (torch.float32, torch.bfloat16) or not scales.is_contiguous():
         raise ValueError(f"scales must be contiguous float32 or bfloat16 [E, N, ceil(K / group_size)] = "
                          f"[{num_experts}, {rows_per_expert}, {num_groups}], got {tuple(scales.shape)} {scales.dtype}")
-    out = _checked_out(out, (num_experts, rows_per_expert, num_cols), w, scales)
+    out = checked_table(out, (num_experts, rows_per_expert, num_cols), w, scales)
     num_rows = num_experts * rows_per_expert
     if num_rows == 0 or num_cols == 0:
         return out

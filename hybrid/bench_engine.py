@@ -285,7 +285,7 @@ def streamed_bytes_per_step(llm: LLM, num_tokens: int) -> int | None:
     """Bytes a step of `num_tokens` copies to the GPU (`hybrid.streaming`); None when it is not streamed. A ring
     that holds every unit (a model of NUM_SLOTS units or fewer) copies nothing after the first step."""
     stream = llm.expert_stream
-    if stream is None or num_tokens < llm.gpu_prefill_tokens:
+    if stream is None or not stream.units or num_tokens < llm.gpu_prefill_tokens:  # no layer it could stream
         return None
     if len(stream.units) <= stream.num_slots:
         return 0
@@ -329,10 +329,12 @@ def run(args) -> dict:
     config = from_namespace(EngineConfig, args, max_model_len=max(context + args.tokens + 64, 256))
     llm = LLM(path, config=config)
     timer = timed_cpu_experts(llm)
-    # a prefill runs in one step; a long decode context in chunks of the budget given (default up to 8192 tokens)
-    chunk = args.max_num_batched_tokens or (max(args.tokens, 64) if args.mode == "prefill" else
-                                            max(min(context, LONG_CONTEXT_CHUNK), 64))
-    engine = Engine(llm, max_num_batched_tokens=min(llm.max_model_len, chunk), max_num_seqs=max(args.batch, 1))
+    # --max-num-batched-tokens given: the runtime's own step budget (with --layerwise-prefill-tokens, as a server
+    # runs); else a prefill runs in one step and a long decode context in chunks of up to 8192 tokens
+    chunk = None if args.max_num_batched_tokens else min(llm.max_model_len, max(args.tokens, 64)
+                                                         if args.mode == "prefill" else
+                                                         max(min(context, LONG_CONTEXT_CHUNK), 64))
+    engine = Engine(llm, max_num_batched_tokens=chunk, max_num_seqs=max(args.batch, 1))
     spec = guided_spec(getattr(args, "guided_json", None), args.tokens)
     if spec is not None:
         attach_tokenizer(engine, path, is_synthetic=not args.model)
@@ -368,6 +370,7 @@ def run(args) -> dict:
             "gpu_experts": llm.num_gpu_experts,
             "hot_expert_swaps": llm.hot_experts.num_swaps if llm.hot_experts is not None else None,
             "tokens_per_s": m["tokens"] / m["seconds"], "step_ms": step_s * 1e3, "steps": steps,
+            "max_step_tokens": engine.scheduler.max_num_batched_tokens,
             "graph_steps": m["graph_steps"], "step_p50_ms": step_times[len(step_times) // 2] * 1e3,
             "step_max_ms": step_times[-1] * 1e3, "cpu_experts_ms": cpu_s * 1e3, "cpu_wait_ms": _ms(m["cpu_wait_s"]),
             # each rank's own CPU experts per step (rank 0's alone above): the slowest rank sets the step
@@ -429,8 +432,8 @@ def main(argv: list[str], mode: str) -> int:
           f"{row['cpu_experts_ms']:.2f}, rest {row['not_cpu_ms']:.2f}{gpu}); bound {row['bound_ms']:.2f} ms at "
           f"{rate}: {row['of_bound']:.0%} of it; physical bound (the experts' bytes alone) "
           f"{row['physical_bound_ms']:.2f} ms: {row['of_physical_bound']:.0%} of it")
-    print(f"{row['steps']} steps ({row['graph_steps']} replayed as graphs): median {row['step_p50_ms']:.2f} ms, "
-          f"slowest {row['step_max_ms']:.2f} ms")
+    print(f"{row['steps']} steps of up to {row['max_step_tokens']} tokens ({row['graph_steps']} replayed as graphs): "
+          f"median {row['step_p50_ms']:.2f} ms, slowest {row['step_max_ms']:.2f} ms")
     if row["tensor_parallel_size"] > 1:
         print(f"CPU experts per step on each rank: {', '.join(f'{v:.2f}' for v in row['rank_cpu_experts_ms'])} ms "
               f"(slowest {row['max_rank_cpu_experts_ms']:.2f} ms)")

@@ -63,14 +63,15 @@ class EngineStats:
 class Engine:
     def __init__(self, llm, max_num_batched_tokens: int | None = None, max_num_seqs: int | None = None,
                  tokenizer=None, allow_cuda_graphs: bool = True):
-        """`max_num_batched_tokens`: tokens per step (None: the engine config's, default 512 or max_model_len if
-        smaller); at most max_model_len, the largest step the CPU experts' staging buffers take. `max_num_seqs`
-        (None: the engine config's): requests run together; the config's values size the sliding-window cache
-        groups, and larger ones here still run, queued where those pools run short. `tokenizer` (a transformers
-        tokenizer): outputs carry their text, and requests may stop on strings. `allow_cuda_graphs` False: decode
-        eagerly even where the config's `cuda_graph` would capture (`LLM.generate`'s own engine: one request,
-        eager numerics)."""
-        max_num_batched_tokens = max_num_batched_tokens or llm.max_num_batched_tokens
+        """`max_num_batched_tokens`: tokens per step (None: the LLM's `max_step_tokens`: the engine config's
+        max_num_batched_tokens, default 512 or max_model_len if smaller, or a layer-wise prefill's larger budget
+        where experts stream); at most max_model_len, the largest step the CPU experts' staging buffers take.
+        `max_num_seqs` (None: the engine config's): requests run together; the config's values size the
+        sliding-window cache groups, and larger ones here still run, queued where those pools run short.
+        `tokenizer` (a transformers tokenizer): outputs carry their text, and requests may stop on strings.
+        `allow_cuda_graphs` False: decode eagerly even where the config's `cuda_graph` would capture (`LLM.generate`'s
+        own engine: one request, eager numerics)."""
+        max_num_batched_tokens = max_num_batched_tokens or llm.max_step_tokens
         max_num_seqs = max_num_seqs or llm.engine_config.max_num_seqs
         if max_num_batched_tokens > llm.max_model_len:
             raise ValueError(f"max_num_batched_tokens {max_num_batched_tokens} exceeds max_model_len "

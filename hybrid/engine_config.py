@@ -34,6 +34,13 @@ class EngineConfig:
     max_num_seqs: int = field(default=64, metadata=_help("requests the engine runs together"))
     max_num_batched_tokens: int | None = field(default=None, metadata=_help(
         "tokens per engine step (prefill chunk budget); default min(512, max_model_len)"))
+    # `hybrid.placement.layerwise_step_tokens`: a long prompt's chunk grows to what the GPU memory holds, so that
+    # the experts streamed for it cross PCIe once per chunk instead of once per max_num_batched_tokens
+    layerwise_prefill_tokens: int | str = field(default="auto", metadata=_help(
+        "where routed experts stream to the GPU for prefill: tokens one engine step may take (each layer runs all "
+        "of them before the next layer, so every streamed expert crosses PCIe once a step); 'auto': as many as the "
+        "GPU memory left after weights, KV cache and gpu_experts holds, up to max_model_len; 0: steps stay within "
+        "max_num_batched_tokens"))
     numa_partitions: int | None = field(default=None, metadata=_help(
         "CPU experts: partitions of the intermediate dimension; default one per NUMA node"))
     # int8 CPU experts: "int8" rounds each activation row to int8 (W8A8: VNNI/AMX-INT8 prefill, what llama.cpp and
@@ -77,8 +84,8 @@ class EngineConfig:
         "routed experts per MoE layer kept on the GPU: a count, or 'auto' to fill the free GPU memory"))
     # "auto": once a step gives each expert 16 tokens on average (T*K/E >= 16), past the CPU's break-even
     gpu_prefill_tokens: int | str = field(default="auto", metadata=_help(
-        "steps of at least this many tokens compute CPU-resident experts on the GPU, streaming their int8/int4/bf16 "
-        "weights over PCIe (CUDA only; 0: never; 'auto': 16 x experts / top-k tokens)"))
+        "steps of at least this many tokens compute CPU-resident experts on the GPU, streaming their weights over "
+        "PCIe as stored (CUDA only; 0: never; 'auto': 16 x experts / top-k tokens)"))
     # `hybrid.prefill_split`: a streamed step's experts with the fewest tokens stay on the CPU, computed while the
     # others stream; "auto" balances the two sides on the link's and the CPU's rates measured at start-up. Default 0
     # (stream all, the path measured on the device) until the split has run on a GPU
@@ -86,7 +93,8 @@ class EngineConfig:
         "streamed prefill steps: the fraction of routed CPU-resident experts (fewest tokens first) the CPU computes "
         "while the rest stream to the GPU (0: stream all; 1: none; 'auto': both sides finish together)"))
     gpu_memory_utilization: float = field(default=0.9, metadata=_help(
-        "with --gpu-experts auto: the fraction of GPU memory the engine may fill"))
+        "with --gpu-experts auto or --layerwise-prefill-tokens auto: the fraction of GPU memory the engine may "
+        "fill"))
     # capped "auto" (a benchmark's GPU that holds a quarter of the experts)
     max_gpu_experts: int | None = field(default=None, metadata=_help(
         "with --gpu-experts auto: at most this many routed experts per MoE layer on the GPU"))
@@ -123,6 +131,10 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be >= 1, got {value}")
+        if self.layerwise_prefill_tokens != "auto" and not (isinstance(self.layerwise_prefill_tokens, int)
+                                                             and self.layerwise_prefill_tokens >= 0):
+            raise ConfigError(f"layerwise_prefill_tokens must be a count >= 0 (0: off) or 'auto', got "
+                              f"{self.layerwise_prefill_tokens!r}")
         if self.expert_activations not in EXPERT_ACTIVATIONS:
             raise ConfigError(f"expert_activations '{self.expert_activations}' is not one of "
                               f"{', '.join(EXPERT_ACTIVATIONS)}")

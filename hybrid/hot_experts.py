@@ -34,8 +34,6 @@ from cpu_experts.expert_file import dequantize_matrix
 from cpu_experts.packed import PackedLayer
 from hybrid.errors import ConfigError
 
-HOT_EXPERT_DTYPES = ("int8", "int4", "bf16")  # CPU formats whose experts are copied to the GPU slots
-
 
 @dataclass(frozen=True)
 class SwapPolicy:
@@ -76,9 +74,6 @@ def dequantize_expert(layer: PackedLayer, expert: int) -> tuple[torch.Tensor, to
     """One expert of a packed (CPU operator) layer -> float32 gate [I, H], up [I, H], down [H, I], dequantized by
     `dequantize_matrix` over whole matrices, as `hybrid.converted.ConvertedExperts.read` does for the loader."""
     spec = layer.spec
-    if spec.dtype not in HOT_EXPERT_DTYPES:
-        raise ConfigError(f"hot experts copy {', '.join(HOT_EXPERT_DTYPES)} CPU experts to the GPU, not "
-                          f"{spec.dtype}: set hot_experts_interval 0")
     parts = layer.partitions
     if sum(p.size for p in parts) != spec.intermediate_size:
         raise ConfigError("hot experts need every expert's whole intermediate dimension on this process: set "
@@ -95,7 +90,9 @@ def dequantize_expert(layer: PackedLayer, expert: int) -> tuple[torch.Tensor, to
 
     weights = []
     for role, dim in (("gate", 0), ("up", 0), ("down", 1)):
-        weights.append(dequantize_matrix(joined(role, dim), joined(f"{role}_scales", dim), role, spec))
+        tensor_scale = getattr(parts[0], f"{role}_tensor_scale")  # NVFP4's, whole rows: every partition's
+        weights.append(dequantize_matrix(joined(role, dim), joined(f"{role}_scales", dim), role, spec,
+                                         None if tensor_scale is None else _torch(tensor_scale[expert:expert + 1])[0]))
     return tuple(weights)
 
 

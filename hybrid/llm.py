@@ -32,7 +32,15 @@ from hybrid.model_runner import ModelRunner
 from hybrid.models import load_model_config
 from hybrid.models.base import MoECausalLM
 from hybrid.parallel import check_tensor_parallel
-from hybrid.placement import ExpertPlacement, RoutingRecorder, RoutingStats, activation_bytes, auto_gpu_experts
+from hybrid.placement import (
+    ExpertPlacement,
+    MemoryPlan,
+    RoutingRecorder,
+    RoutingStats,
+    activation_bytes,
+    auto_gpu_experts,
+    layerwise_step_tokens,
+)
 from hybrid.prefill_split import PrefillRates, measure_cpu, measure_link
 from hybrid.rank_stats import RankCounters, RankStats, RankTable
 from hybrid.routed_experts import RoutedExperts, cpu_experts_factory
@@ -106,12 +114,18 @@ class LLM:
         make_experts = None
         # the one path from MoE layers to their CPU experts; the runner sets its step mode
         self.cpu_handoff = CpuHandoff() if is_cpu_experts else None
+        # the scheduler's budget: max_num_batched_tokens, or a layer-wise prefill's (`_resolve_step_tokens`)
+        self.max_step_tokens = self._resolve_step_tokens(cls, num_blocks)
         if is_cpu_experts:
             self.num_gpu_experts = self._resolve_gpu_experts(cls, num_blocks)
             if cfg.hot_experts_interval:
                 check_hot_experts(cfg.hot_experts_interval, cfg.hot_experts_swaps, self.num_gpu_experts,
                                   moe.num_experts)
             make_experts = self._cpu_experts_factory(self.num_gpu_experts)
+        elif cfg.hot_experts_interval:  # nothing to move: every expert is on the device already
+            raise ConfigError(f"hot_experts_interval {cfg.hot_experts_interval} moves experts between the CPU and the "
+                              f"GPU, and this model has no CPU experts (expert_placement {cfg.expert_placement}): "
+                              "set hot_experts_interval 0")
         if cfg.defer_experts >= self.config.moe.top_k:
             raise ConfigError(f"defer_experts {cfg.defer_experts} must be below the model's top-k routing "
                               f"({self.config.moe.top_k})")
@@ -244,7 +258,7 @@ class LLM:
     def _cache_groups(self, model, num_full_blocks: int):
         cfg = self.engine_config
         return derive_cache_groups(model.attention_layers(), num_full_blocks, cfg.block_size, cfg.max_num_seqs,
-                                   self.max_num_batched_tokens)
+                                   self.max_step_tokens)
 
     def record_routing(self) -> RoutingRecorder:
         """Starts counting the experts each MoE layer routes to; `recorder.stats().write(path)` saves them for
@@ -285,22 +299,58 @@ class LLM:
             return cfg.gpu_experts
         if not cfg.is_cuda:
             return 0
-        # every rank's GPU (rank r on cuda:r): each rank computes the same list, so they agree on the placement
+        plan = self._memory_plan(cls, num_blocks)
+        fits = auto_gpu_experts(self.config, plan.budgets, plan.dense_bytes + plan.kv_bytes(self.max_step_tokens),
+                                activation_bytes(self.config, self.max_model_len) + plan.streaming_bytes,
+                                cfg.torch_dtype.itemsize)
+        return fits if cfg.max_gpu_experts is None else min(fits, cfg.max_gpu_experts)
+
+    def _resolve_step_tokens(self, cls: type[MoECausalLM], num_blocks: int) -> int:
+        """The tokens one engine step may take: `max_num_batched_tokens`, or more where routed experts stream to the
+        GPU for prefill (`layerwise_prefill_tokens`; "auto": as many as the GPU memory holds beside the weights, the
+        KV cache and the `gpu_experts` count, which "auto" experts then fill around)."""
+        cfg = self.engine_config
+        tokens = cfg.layerwise_prefill_tokens
+        if tokens != "auto":
+            if tokens > self.max_model_len:
+                raise ConfigError(f"layerwise_prefill_tokens {tokens} exceeds max_model_len {self.max_model_len}; "
+                                  "lower it, or use auto")
+            return max(tokens, self.max_num_batched_tokens)
+        if not self.gpu_prefill_tokens:  # nothing streams: a longer step would reuse nothing
+            return self.max_num_batched_tokens
+        plan = self._memory_plan(cls, num_blocks)
+        moe, num_ranks = self.config.moe, self.tp.size
+        num_resident = 0 if cfg.gpu_experts == "auto" else -(-cfg.gpu_experts // num_ranks)  # this rank's share
+        resident = num_resident * sum(self.config.moe_layers) * 3 * self.config.hidden_size \
+            * moe.intermediate_size * cfg.torch_dtype.itemsize
+        fits = layerwise_step_tokens(
+            plan.budgets, lambda t: plan.dense_bytes + resident + plan.kv_bytes(t) + plan.streaming_bytes
+            + activation_bytes(self.config, t), self.max_num_batched_tokens, self.max_model_len)
+        log.info("layer-wise prefill: steps of up to %d tokens (each streamed expert crosses PCIe once a step)", fits)
+        return fits
+
+    def _memory_plan(self, cls: type[MoECausalLM], num_blocks: int) -> MemoryPlan:
+        """What the device memory holds before any routed expert is placed on it, planned on the meta device:
+        every rank's budget (rank r on cuda:r: each rank computes the same list, so they agree), this rank's dense
+        weights, its KV cache and state pools for a step budget (windowed groups grow with it), streaming's ring."""
+        cfg = self.engine_config
         budgets = [int(torch.cuda.get_device_properties(rank_device(cfg.device, r)).total_memory
                        * cfg.gpu_memory_utilization) for r in range(self.tp.size)]
         meta = build_model(cls, self.config, replace(cfg, device="meta"),
                            Backends(make_experts=partial(cpu_experts_factory, handoff=CpuHandoff())), self.tp)
         dense_bytes = sum(t.numel() * t.element_size() for t in itertools.chain(meta.parameters(), meta.buffers()))
-        kv_bytes = kv_cache_bytes(self._cache_groups(meta, num_blocks), cfg.block_size, cfg.torch_dtype)
-        kv_bytes += state_slot_bytes(meta.state_layers(), cfg.torch_dtype) * (self.num_state_slots
-                                                                              + self.num_state_snapshots)
+        state_bytes = state_slot_bytes(meta.state_layers(), cfg.torch_dtype) * (self.num_state_slots
+                                                                                + self.num_state_snapshots)
+
+        def kv_bytes(step_tokens: int) -> int:
+            groups = derive_cache_groups(meta.attention_layers(), num_blocks, cfg.block_size, cfg.max_num_seqs,
+                                         step_tokens)
+            return kv_cache_bytes(groups, cfg.block_size, cfg.torch_dtype) + state_bytes
+
         moe = self.config.moe
         streaming = reserve_bytes(moe.num_experts, self.config.hidden_size, moe.intermediate_size) \
             if self.gpu_prefill_tokens else 0
-        fits = auto_gpu_experts(self.config, budgets, dense_bytes + kv_bytes,
-                                activation_bytes(self.config, self.max_model_len) + streaming,
-                                cfg.torch_dtype.itemsize)
-        return fits if cfg.max_gpu_experts is None else min(fits, cfg.max_gpu_experts)
+        return MemoryPlan(budgets, dense_bytes, kv_bytes, streaming)
 
     def _cpu_experts_factory(self, num_gpu_experts: int):
         """Each MoE layer's `RoutedExperts`: the CPU operator, less the experts `gpu_experts` keeps on the engine's

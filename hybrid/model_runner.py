@@ -143,13 +143,17 @@ class ModelRunner:
         """What computes this runner's CPU experts, each with a cumulative `compute_seconds`: the model's executor
         (eager steps, shared with the model's other runners), the graphs' flag worker and decode pool."""
         sources = [self.llm.cpu_executor] if self.llm.cpu_executor is not None else []
-        if self.graphs is not None:
-            sources += [s for s in (self.graphs.worker, self.graphs.pool) if s is not None]
-        return sources
+        return sources + self._graph_sources()
+
+    def _graph_sources(self) -> list:
+        """The graphs' own CPU-experts sources (flag worker, decode pool); none without graphs."""
+        if self.graphs is None:
+            return []
+        return [s for s in (self.graphs.worker, self.graphs.pool) if s is not None]
 
     def close(self) -> None:
         if self.graphs is not None:
-            self.llm.counters.forget([s for s in (self.graphs.worker, self.graphs.pool) if s is not None])
+            self.llm.counters.forget(self._graph_sources())
             self.graphs.close()
         if self.runner_id is not None and not self.workers.is_stopped:
             self.workers.send(("close", self.runner_id))

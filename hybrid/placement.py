@@ -13,7 +13,7 @@ GPU-resident ones, on any rank, out of its CPU part.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -138,6 +138,36 @@ def auto_gpu_experts(config, budget_bytes: int | Sequence[int], used_bytes: int,
     expert_bytes = 3 * config.hidden_size * moe.intermediate_size * element_size  # gate, up, down
     per_rank = min(budget - used_bytes - reserve_bytes for budget in budgets) // (expert_bytes * num_moe_layers)
     return max(0, min(moe.num_experts, len(budgets) * per_rank))
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """A GPU's memory before any routed expert is placed on it (`LLM._memory_plan`): every rank's budget, this
+    rank's dense weights, its KV cache and state pools for a step budget (`kv_bytes(step_tokens)`: windowed cache
+    groups grow with the step), and the streamed prefill's ring."""
+
+    budgets: list[int]
+    dense_bytes: int
+    kv_bytes: Callable[[int], int]
+    streaming_bytes: int
+
+
+def layerwise_step_tokens(budget_bytes: int | Sequence[int], step_bytes, min_tokens: int, max_tokens: int) -> int:
+    """`layerwise_prefill_tokens=auto`: the largest step in [min_tokens, max_tokens] tokens whose device memory,
+    `step_bytes(tokens)` (weights, KV cache and the step's activations: nondecreasing in tokens), fits every
+    budget (tensor parallel: each rank's GPU); `min_tokens` (max_num_batched_tokens) where none does. A larger step
+    reuses each streamed expert for more tokens: as large as the memory holds."""
+    budget = min(budget_bytes) if isinstance(budget_bytes, Sequence) else budget_bytes
+    if step_bytes(min_tokens) > budget:
+        return min_tokens
+    low, high = min_tokens, max_tokens  # step_bytes(low) fits; find the last that does
+    while low < high:
+        middle = (low + high + 1) // 2
+        if step_bytes(middle) <= budget:
+            low = middle
+        else:
+            high = middle - 1
+    return low
 
 
 def activation_bytes(config, max_tokens: int) -> int:

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from cpu_experts.module import CpuExperts
+from cpu_experts.packed import PackedLayer
 
 # The H200 host: a Qwen3-30B-A3B layer (604 MB of int8 experts, 9.4 MFLOP a routed token) took the CPU operator
 # 9, 15 and 18 ms for 128, 256 and 512 tokens (hybrid.streaming): about 6 ms to read the weights (~100 GB/s) plus
@@ -75,6 +76,11 @@ def plan_cpu_experts(tokens: np.ndarray, flops_per_token: int, expert_bytes: int
     return np.sort(order[:num_cpu])
 
 
+def flops_per_pair(layer: PackedLayer) -> int:
+    """FLOPs of one token through one expert of `layer` (gate, up and down over every partition of I)."""
+    return 2 * 3 * layer.spec.hidden_size * sum(p.size for p in layer.partitions)
+
+
 def measure_link(device: torch.device | str, nbytes: int = 64 << 20) -> float:
     """Host-to-device bytes/s from page-locked memory (the faster of 3 copies, after a first): a few ms at start-up."""
     host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
@@ -96,7 +102,7 @@ def measure_cpu(cpu: CpuExperts, top_k: int, rates: PrefillRates) -> PrefillRate
     milliseconds for a Qwen3-30B-A3B layer; a fit that is not positive (noise on a tiny layer) keeps `rates`."""
     layer = cpu.op.layer
     num_experts, hidden_size = layer.spec.num_experts, layer.spec.hidden_size
-    flops_per_pair = 2 * 3 * hidden_size * sum(p.size for p in layer.partitions)
+    flops = flops_per_pair(layer)
 
     def seconds(tokens_per_expert: int) -> tuple[int, float]:
         num_tokens = max(1, tokens_per_expert * num_experts // top_k)
@@ -111,8 +117,8 @@ def measure_cpu(cpu: CpuExperts, top_k: int, rates: PrefillRates) -> PrefillRate
     (few, few_s), (many, many_s) = seconds(4), seconds(32)
     if not many_s > few_s:
         return rates
-    flops = (many - few) * flops_per_pair / (many_s - few_s)
-    read_s = few_s - few * flops_per_pair / flops
-    if not (math.isfinite(flops) and read_s > 0):
+    fitted = (many - few) * flops / (many_s - few_s)
+    read_s = few_s - few * flops / fitted
+    if not (math.isfinite(fitted) and read_s > 0):
         return rates
-    return replace(rates, cpu_flops=flops, cpu_read_bytes_per_s=layer.nbytes / read_s)
+    return replace(rates, cpu_flops=fitted, cpu_read_bytes_per_s=layer.nbytes / read_s)

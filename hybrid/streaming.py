@@ -3,8 +3,8 @@
 A prefill step of a few thousand tokens routes to nearly every expert of a layer, and the CPU computes it at a few
 TFLOP/s; the GPU computes it a hundred times faster if it has the weights. Copying a layer's int8 experts from
 page-locked memory runs at the link's speed (~55 GB/s on PCIe 5: 11 ms for a Qwen3-30B-A3B layer), which beats
-the CPU from a few hundred tokens on: the trade llama.cpp makes when it offloads large batches. int4 experts cross
-the link packed (half int8's bytes) and expand on the device.
+the CPU from a few hundred tokens on: the trade llama.cpp makes when it offloads large batches. Every format crosses
+the link as stored (int4, MXFP4 and NVFP4 packed: half int8's bytes; FP8 as its codes) and expands on the device.
 
 Pieces:
 - `ExpertStream` (one per model) cuts every streamed layer into units (experts [first, last) of one partition,
@@ -22,8 +22,9 @@ Pieces:
   rounded to int8 once per step exactly as the CPU does, and each unit's stored codes go straight into
   `gpu_layers.w8a8_moe` (exact int32 sums per scale group, act rounded per row of the partition), so a prompt's
   output does not depend on which of its steps were streamed (README, numerics contracts). Layers computing in
-  float (`expert_activations="float"`) and bf16 experts: weights -> bf16 (`gpu_layers.dequant`, gate and up side by
-  side in one [c, 2Ip, H] table) -> `gpu_layers.fused_moe` on bf16 activations. Layers whose weights could not be
+  float (`expert_activations="float"`), bf16 experts and the float formats: weights -> bf16 (`gpu_layers.dequant`
+  for int8/int4, `gpu_layers.dequant_float` for FP8/MXFP4/NVFP4, gate and up side by side in one [c, 2Ip, H]
+  table) -> `gpu_layers.fused_moe` on bf16 activations. Layers whose weights could not be
   page-locked stay on the CPU.
 - The split (`hybrid.prefill_split`, `StreamedPrefill.split`): unless `cpu_share` is 0, the step's experts with
   the fewest tokens go to the CPU operator instead and only the others' weights cross, packed in a slot
@@ -38,15 +39,17 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from cpu_experts.expert_file import ExpertLayerSpec
 from cpu_experts.module import CpuExperts
 from cpu_experts.packed import PackedLayer
 from gpu_layers.dequant import dequantize_int4, dequantize_int8
+from gpu_layers.dequant_float import dequantize_fp4, dequantize_fp8
 from gpu_layers.fused_moe import Activation, fused_moe
 from gpu_layers.w8a8_moe import BLOCK_KS, quantize_rows, w8a8_moe
 from hybrid.engine_config import EngineConfig
-from hybrid.prefill_split import PrefillRates, plan_cpu_experts
+from hybrid.prefill_split import PrefillRates, flops_per_pair, plan_cpu_experts
 
-STREAMED_DTYPES = ("int8", "int4", "bf16")
+STREAMED_DTYPES = ("int8", "int4", "bf16", "fp8", "mxfp4", "nvfp4")
 # gpu_prefill_tokens="auto": stream a step's experts once each gets this many of its tokens on average. On the H200
 # host the CPU took 9, 15 and 18 ms per Qwen3-30B-A3B layer for 128, 256 and 512 tokens (8, 16 and 32 per
 # expert), the copy over PCIe 11 ms at any size.
@@ -215,7 +218,8 @@ class StreamedPrefill:
 
     @property
     def is_streamable(self) -> bool:
-        """int8/int4/bf16 experts whose partitions fused_moe can take (I and H multiples of 16)."""
+        """Experts of a streamed format (every expert format) whose partitions fused_moe can take (I and H
+        multiples of 16)."""
         if self.cpu_experts.op is None:
             return False
         layer = self.cpu_experts.op.layer
@@ -255,11 +259,10 @@ class StreamedPrefill:
         if self.cpu_share == 1:
             return topk_ids, None, None
         ids = topk_ids.long()
-        num_experts = self.cpu_experts.op.layer.spec.num_experts
-        counts = torch.bincount(ids[ids >= 0], minlength=num_experts).cpu().numpy()
         layer = self.cpu_experts.op.layer
-        flops_per_token = 2 * 3 * layer.spec.hidden_size * sum(p.size for p in layer.partitions)
-        on_cpu = plan_cpu_experts(counts, flops_per_token, layer.expert_bytes(), self.rates, self.cpu_share)
+        num_experts = layer.spec.num_experts
+        counts = torch.bincount(ids[ids >= 0], minlength=num_experts).cpu().numpy()
+        on_cpu = plan_cpu_experts(counts, flops_per_pair(layer), layer.expert_bytes(), self.rates, self.cpu_share)
         streamed = np.setdiff1d(np.flatnonzero(counts), on_cpu)
         self.num_split_experts[0] += on_cpu.size
         self.num_split_experts[1] += streamed.size
@@ -312,7 +315,7 @@ class StreamedPrefill:
             gate, up, down = ((arrays[role], _scales(arrays[f"{role}_scales"])) for role in ("gate", "up", "down"))
             return w8a8_moe(*x, gate, up, down, unit_ids, weights, group_size=spec.group_size, activation=activation,
                             w_gate_up_bias=gate_up_bias, w_down_bias=down_bias)
-        gate_up, down = self._bf16_tables(arrays, spec.group_size)
+        gate_up, down = self._bf16_tables(arrays, spec)
         return fused_moe(x, gate_up, down, unit_ids, weights, activation=activation, w_gate_up_bias=gate_up_bias,
                          w_down_bias=down_bias).float()
 
@@ -323,24 +326,30 @@ class StreamedPrefill:
         return self._device_down_bias
 
     @staticmethod
-    def _bf16_tables(arrays: dict[str, torch.Tensor], group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A unit's stored arrays -> gate_up bf16 [c, 2Ip, H] (gate rows first) and down bf16 [c, H, Ip];
-        `group_size` is the layer's (0: one scale a row)."""
+    def _bf16_tables(arrays: dict[str, torch.Tensor], spec: ExpertLayerSpec) -> tuple[torch.Tensor, torch.Tensor]:
+        """A unit's stored arrays -> gate_up bf16 [c, 2Ip, H] (gate rows first) and down bf16 [c, H, Ip]."""
         gate, up, down = arrays["gate"], arrays["up"], arrays["down"]
         if gate.dtype == torch.uint16:  # bf16 stored as its bits
             return torch.cat([gate.view(torch.bfloat16), up.view(torch.bfloat16)], dim=1), down.view(torch.bfloat16)
-        num_experts, inter, _ = gate.shape
-        hidden_size = down.shape[1]
+        num_experts, inter, hidden_size = gate.shape[0], gate.shape[1], down.shape[1]
         gate_up = torch.empty(num_experts, 2 * inter, hidden_size, dtype=torch.bfloat16, device=gate.device)
-        if gate.dtype == torch.int8:
-            dequantize_int8(gate, arrays["gate_scales"], gate_up[:, :inter])
-            dequantize_int8(up, arrays["up_scales"], gate_up[:, inter:])
-            return gate_up, dequantize_int8(down, arrays["down_scales"])
-        # packed int4: gate and up's K is H (the tables' width), down's is Ip (its rows' count)
-        scales = {role: _scales(arrays[f"{role}_scales"]) for role in ("gate", "up", "down")}
-        dequantize_int4(gate, scales["gate"], group_size or hidden_size, hidden_size, gate_up[:, :inter])
-        dequantize_int4(up, scales["up"], group_size or hidden_size, hidden_size, gate_up[:, inter:])
-        return gate_up, dequantize_int4(down, scales["down"], group_size or inter, inter)
+        _dequantize(arrays, "gate", spec, hidden_size, gate_up[:, :inter])
+        _dequantize(arrays, "up", spec, hidden_size, gate_up[:, inter:])
+        return gate_up, _dequantize(arrays, "down", spec, inter)
+
+
+def _dequantize(arrays: dict[str, torch.Tensor], role: str, spec: ExpertLayerSpec, num_cols: int,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """One projection of a unit, K = `num_cols` (gate and up: H, down: the partition's Ip), -> bf16 [c, N, K]:
+    each stored weight dequantized as the format's reference does, rounded once to bf16."""
+    w, scales = arrays[role], arrays[f"{role}_scales"]
+    if spec.dtype == "int8":
+        return dequantize_int8(w, scales, out)
+    if spec.dtype == "int4":  # packed: gate and up's K is H (the tables' width), down's is Ip (its rows' count)
+        return dequantize_int4(w, _scales(scales), spec.group(num_cols), num_cols, out)
+    if spec.dtype == "fp8":
+        return dequantize_fp8(w, scales, spec.group(num_cols), out)
+    return dequantize_fp4(w, scales, num_cols, arrays.get(f"{role}_tensor_scale"), out)  # MXFP4 or NVFP4
 
 
 def _packed_ids(ids: torch.Tensor, rows: np.ndarray) -> torch.Tensor:

@@ -121,17 +121,16 @@ class Workers:
         self._failures: list[str] = []  # workers' reports, read by whichever thread saw them first
         self._lock = threading.Lock()
         self._is_raised = threading.Event()  # rank 0 raised a worker's failure (the watchdog need not end it)
-        self.is_pinning = torch.device(config.device).type == "cuda"
+        self.is_cuda = torch.device(config.device).type == "cuda"  # NCCL; stepping threads pinned
         self._pinned: dict[int, tuple[int, ...] | None] = {}  # a stepping thread -> its CPUs before (`send`)
         try:
             self.cpus = find_rank_cpus(config, 0)
             self._wait_joining()
-            with pinned_thread(self.cpus.host if self.is_pinning else None):  # gloo's and NCCL's threads there
+            with pinned_thread(self.cpus.host if self.is_cuda else None):  # gloo's and NCCL's threads there
                 parallel.init(0, self.size, init_method, rank_device(config.device, 0), table, self.cpus)
         except BaseException:
             self._terminate()
             raise
-        self._is_nccl = torch.device(config.device).type == "cuda"
         threading.Thread(target=self._watch, name="hybrid-tp-watchdog", daemon=True).start()
 
     def _wait_joining(self) -> None:
@@ -167,7 +166,7 @@ class Workers:
     def send(self, command: tuple) -> None:
         """Writes `command` for every worker and returns (it waits only where the channel is full). The thread that
         sends is the one that steps rank 0: pinned to rank 0's host CPU (module docstring) until `stop`."""
-        if self.is_pinning and threading.get_ident() not in self._pinned:
+        if self.is_cuda and threading.get_ident() not in self._pinned:
             self._pinned[threading.get_ident()] = thread_cpus()
             pin_current_thread(self.cpus.host)
         self.check()
@@ -210,10 +209,11 @@ class Workers:
         if self._is_stopping:
             return
         self._read_reports()  # a failed worker reports before it exits
-        gone = [rank for rank, p in enumerate(self.processes, start=1) if not p.is_alive()] or ["?"]
+        # by sentinel, not is_alive(): the sentinel closes as the process exits, a moment before waitpid sees it
+        gone = [rank for rank, is_alive in enumerate(self.alive(), start=1) if not is_alive]
         what = self._failures[0] if self._failures else f"rank {gone[0]} exited without a report (killed?)"
         log.error("tensor-parallel rank(s) %s exited while the ranks run: %s", gone, what)
-        if self._is_nccl and not self._is_raised.wait(BLOCKED_EXIT_SECONDS) and not self._is_stopping:
+        if self.is_cuda and not self._is_raised.wait(BLOCKED_EXIT_SECONDS) and not self._is_stopping:
             log.critical("rank 0 is still blocked %.0f s after a rank died (a collective waits for it): exiting",
                          BLOCKED_EXIT_SECONDS)
             logging.shutdown()

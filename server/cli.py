@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = from_namespace(ServerConfig, args, api_key=args.api_key or os.environ.get("HYBRID_API_KEY"))
         engine_config = from_namespace(EngineConfig, args, max_model_len=args.context_length,
-                                       max_num_seqs=args.max_running_requests)
+                                       max_num_seqs=args.max_running_requests,
+                                       max_num_batched_tokens=args.max_num_batched_tokens)
         return serve(config, engine_config)
     except KeyboardInterrupt:
         return 130
@@ -124,8 +125,8 @@ def _start_engine(config: ServerConfig, llm):
     graphs = "capturing CUDA graphs" if llm.engine_config.cuda_graph and llm.engine_config.is_cuda else "no graphs"
     with timed(f"starting the engine ({graphs})"):
         try:
-            engine = Engine(llm, max_num_batched_tokens=config.max_num_batched_tokens,
-                            max_num_seqs=config.max_running_requests)
+            # the step budget is the LLM's (--max-num-batched-tokens, or layer-wise prefill's where experts stream)
+            engine = Engine(llm, max_num_seqs=config.max_running_requests)
         except ValueError as exc:  # limits that do not fit the context length
             raise ConfigError(str(exc)) from None
     with timed("warm-up request"):

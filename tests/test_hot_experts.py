@@ -56,7 +56,8 @@ def test_swapped_in_weights_are_the_loaders(converted):
                 assert torch.equal(getattr(module, name).data[slot], weight), (module.layer_idx, expert, name)
 
 
-@pytest.mark.parametrize("dtype,group_size", [("int8", 0), ("int4", 32), ("bf16", 0)])
+@pytest.mark.parametrize("dtype,group_size", [("int8", 0), ("int4", 32), ("bf16", 0), ("fp8", 32), ("mxfp4", 32),
+                                              ("nvfp4", 16)])
 def test_an_expert_is_joined_over_the_partitions(dtype, group_size):
     """Partitions split I: the expert dequantized from them is the whole stored matrix's dequantization."""
     from cpu_experts.expert_file import dequantize_matrix
@@ -71,9 +72,9 @@ def test_an_expert_is_joined_over_the_partitions(dtype, group_size):
     assert len(packed.partitions) == 2
     for expert in range(num_experts):
         for role, got in zip(("gate", "up", "down"), dequantize_expert(packed, expert), strict=True):
-            scales = tensors.get(f"{role}.scales")
-            want = dequantize_matrix(tensors[f"{role}.weight"][expert],
-                                     None if scales is None else scales[expert], role, spec)
+            scales, tensor_scale = tensors.get(f"{role}.scales"), tensors.get(f"{role}.tensor_scale")
+            want = dequantize_matrix(tensors[f"{role}.weight"][expert], None if scales is None else scales[expert],
+                                     role, spec, None if tensor_scale is None else tensor_scale[expert])
             assert torch.equal(got, want), (dtype, expert, role)
 
 
@@ -82,6 +83,8 @@ def test_config_refuses_hot_experts_without_spare_slots(converted):
         LLM(converted, gpu_experts=1, hot_experts_interval=4, **ARGS)
     with pytest.raises(ConfigError, match="hot_experts_interval must be >= 0"):
         LLM(converted, hot_experts_interval=-1, **ARGS)
+    with pytest.raises(ConfigError, match="no CPU experts .expert_placement device.: set hot_experts_interval 0"):
+        LLM(converted.parent / "src", expert_placement="device", hot_experts_interval=4, **ARGS)
     from hybrid.engine_config import EngineConfig
     from hybrid.parallel import check_tensor_parallel
 

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 from checkpoints import SEEDS, VARIANTS, make_checkpoint, prompt
+from experts_support import random_experts
 from gpu_support import DEVICE, equal_but_rare_flips
 
-from cpu_experts.expert_file import SWIGLU_OAI
 from cpu_experts.packed import PackedLayer
 from hybrid import LLM
 from hybrid.cli_args import add_arguments, from_namespace
@@ -82,13 +82,7 @@ def split_layer(share: float | None, min_tokens: int, is_gpt_oss: bool = False, 
     """A MoE layer: expert 2 GPU-resident (here: this CPU), the others int8 on the CPU operator (float activations,
     exact to the stored weights; `is_w8a8`: int8 activation rows) in two partitions; `min_tokens` > 0: steps that
     long stream them in units of 3 experts (partition 0: [0, 3), [3, 6), [6, 7)) but for `share` of them."""
-    g = torch.Generator().manual_seed(seed)
-    gain = 1.5 if is_gpt_oss else 1 / 8
-    gate, up = (torch.randn(E, INTER, H, generator=g) * gain for _ in range(2))
-    down = torch.randn(E, H, INTER, generator=g) / 8
-    extra = {}
-    if is_gpt_oss:
-        extra = dict(activation=SWIGLU_OAI, biases=tuple(torch.randn(E, n, generator=g) for n in (INTER, INTER, H)))
+    gate, up, down, extra = random_experts(torch.Generator().manual_seed(seed), E, H, INTER, is_gpt_oss)
     moe = types.SimpleNamespace(num_experts=E, intermediate_size=INTER,
                                 expert_proj_names=("gate_proj", "up_proj", "down_proj"))
     config = types.SimpleNamespace(moe=moe, hidden_size=H)

@@ -12,10 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 from checkpoints import SEEDS, VARIANTS, kimi_k2_config, make_checkpoint, prompt
+from experts_support import random_experts
 from gpu_support import DEVICE, equal_but_rare_flips, poisoned
 
 from cpu_experts import formats
-from cpu_experts.expert_file import SWIGLU_OAI, ExpertLayerSpec
+from cpu_experts.expert_file import ExpertLayerSpec
 from cpu_experts.module import CpuExperts
 from cpu_experts.packed import PackedLayer
 from gpu_layers.dequant import dequantize_int4, dequantize_int4_reference, dequantize_int8, dequantize_int8_reference
@@ -44,15 +45,8 @@ def cpu_layer(seed: int, dtype: str, group_size: int, num_experts=7, hidden_size
     `is_w8a8` on int8 activation rows through its prefill path at any token count; `is_gpt_oss`: gpt-oss's
     clamped activation with random biases, gate/up large enough to reach the clamp; `rank` of `num_ranks`: that
     tensor-parallel rank's slice of I."""
-    g = torch.Generator().manual_seed(seed)
-    gain = 1.5 if is_gpt_oss else 1 / 8
-    gate, up = (torch.randn(num_experts, inter, hidden_size, generator=g) * gain for _ in range(2))
-    down = torch.randn(num_experts, hidden_size, inter, generator=g) / 8
-    extra = {}
-    if is_gpt_oss:
-        extra = dict(activation=SWIGLU_OAI, biases=(torch.randn(num_experts, inter, generator=g),
-                                                    torch.randn(num_experts, inter, generator=g),
-                                                    torch.randn(num_experts, hidden_size, generator=g)))
+    gate, up, down, extra = random_experts(torch.Generator().manual_seed(seed), num_experts, hidden_size, inter,
+                                           is_gpt_oss)
     module = CpuExperts(0, prefill_min_tokens=1, int8_activations=True) if is_w8a8 else \
         CpuExperts(0, int8_activations=False)
     module.load(PackedLayer.from_float(gate, up, down, dtype, group_size, num_partitions=2, rank=rank,
@@ -132,7 +126,7 @@ def test_streamed_w8a8_layer_equals_the_cpu_operators_prefill(dtype, group_size)
 
 
 @pytest.mark.parametrize("dtype,group_size", [("int8", 0), ("int8", 32), ("bf16", 0), ("int4", "float32"),
-                                              ("int4", "bfloat16")])
+                                              ("int4", "bfloat16"), ("fp8", 32), ("mxfp4", 32), ("nvfp4", 16)])
 def test_streamed_layer_matches_the_cpu_operator(dtype, group_size):
     module = int4_layer(0, group_size) if dtype == "int4" else cpu_layer(0, dtype, group_size)
     hidden, ids, weights = routed(19)
@@ -151,7 +145,7 @@ def test_streamed_layer_matches_the_cpu_operator(dtype, group_size):
 
 
 @pytest.mark.parametrize("dtype,group_size,is_w8a8", [("int8", 0, False), ("bf16", 0, False), ("int8", 0, True),
-                                                      ("int8", 32, True)])
+                                                      ("int8", 32, True), ("mxfp4", 32, False)])  # mxfp4: as published
 def test_streamed_gpt_oss_layer_keeps_its_activation_and_biases(dtype, group_size, is_w8a8):
     """gpt-oss's experts streamed: the clamped activation and the gate/up biases in every unit, the down bias once
     per expert (units of both partitions add up), as the CPU operator computes them (W8A8: to its tolerance)."""

@@ -26,14 +26,14 @@ def _sleep_forever() -> None:
     threading.Event().wait()
 
 
-def fake_workers(target, *, is_nccl: bool) -> Workers:
+def fake_workers(target, *, is_cuda: bool) -> Workers:
     """A `Workers` with only what the watchdog reads: one worker process (started) and its report pipe."""
     context = mp.get_context("fork")
     reader, writer = context.Pipe(duplex=False)
     workers = Workers.__new__(Workers)
     workers.processes = [context.Process(target=target, args=(writer,) if target is _report_and_exit else ())]
     workers.reports = [reader]
-    workers.is_stopped, workers._is_stopping, workers._is_nccl = False, False, is_nccl
+    workers.is_stopped, workers._is_stopping, workers.is_cuda = False, False, is_cuda
     workers._failures, workers._lock, workers._is_raised = [], threading.Lock(), threading.Event()
     workers.processes[0].start()
     writer.close()
@@ -58,7 +58,7 @@ def watch(workers: Workers) -> None:
 
 
 def test_a_blocked_rank0_over_nccl_exits_after_logging_the_report(exits, caplog):
-    workers = fake_workers(_report_and_exit, is_nccl=True)
+    workers = fake_workers(_report_and_exit, is_cuda=True)
     with caplog.at_level(logging.ERROR, logger="hybrid.tp_workers"):
         watch(workers)
     assert "rank 1 failed: ValueError: planted" in caplog.text
@@ -69,7 +69,7 @@ def test_a_blocked_rank0_over_nccl_exits_after_logging_the_report(exits, caplog)
 
 
 def test_a_killed_worker_is_logged_and_gloo_never_exits(exits, caplog):
-    workers = fake_workers(_sleep_forever, is_nccl=False)
+    workers = fake_workers(_sleep_forever, is_cuda=False)
     workers.processes[0].kill()
     with caplog.at_level(logging.ERROR, logger="hybrid.tp_workers"):
         watch(workers)
@@ -78,10 +78,10 @@ def test_a_killed_worker_is_logged_and_gloo_never_exits(exits, caplog):
 
 
 def test_no_exit_once_rank0_raised_or_while_stopping(exits, caplog):
-    raised = fake_workers(_report_and_exit, is_nccl=True)
+    raised = fake_workers(_report_and_exit, is_cuda=True)
     raised._is_raised.set()
     watch(raised)
-    stopping = fake_workers(_sleep_forever, is_nccl=True)
+    stopping = fake_workers(_sleep_forever, is_cuda=True)
     stopping._is_stopping = True
     watch(stopping)  # returns while the worker still runs
     stopping.processes[0].kill()
