@@ -22,10 +22,9 @@ Pieces:
   rounded to int8 once per step exactly as the CPU does, and each unit's stored codes go straight into
   `gpu_layers.w8a8_moe` (exact int32 sums per scale group, act rounded per row of the partition), so a prompt's
   output does not depend on which of its steps were streamed (README, numerics contracts). Layers computing in
-  float (`expert_activations="float"`), bf16 experts and the float formats: weights -> bf16 (`gpu_layers.dequant`
-  for int8/int4, `gpu_layers.dequant_float` for FP8/MXFP4/NVFP4, gate and up side by side in one [c, 2Ip, H]
-  table) -> `gpu_layers.fused_moe` on bf16 activations. Layers whose weights could not be
-  page-locked stay on the CPU.
+  float (`expert_activations="float"`), bf16 experts and the float formats: weights -> bf16 (`gpu_layers.dequant`,
+  gate and up side by side in one [c, 2Ip, H] table) -> `gpu_layers.fused_moe` on bf16 activations. Layers whose
+  weights could not be page-locked stay on the CPU.
 - The split (`hybrid.prefill_split`, `StreamedPrefill.split`): unless `cpu_share` is 0, the step's experts with
   the fewest tokens go to the CPU operator instead and only the others' weights cross, packed in a slot
   (`ExpertStream.acquire_rows`, copied once the layer's routing is known, nothing ahead).
@@ -42,8 +41,7 @@ import torch
 from cpu_experts.expert_file import ExpertLayerSpec
 from cpu_experts.module import CpuExperts
 from cpu_experts.packed import PackedLayer
-from gpu_layers.dequant import dequantize_int4, dequantize_int8
-from gpu_layers.dequant_float import dequantize_fp4, dequantize_fp8
+from gpu_layers.dequant import dequantize_fp4, dequantize_fp8, dequantize_int4, dequantize_int8
 from gpu_layers.fused_moe import Activation, fused_moe
 from gpu_layers.w8a8_moe import BLOCK_KS, quantize_rows, w8a8_moe
 from hybrid.engine_config import EngineConfig

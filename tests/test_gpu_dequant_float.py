@@ -1,4 +1,4 @@
-"""`gpu_layers.dequant_float`: FP8, MXFP4 and NVFP4 expert weights -> bf16 tables for streamed prefill, against the
+"""`gpu_layers.dequant`: FP8, MXFP4 and NVFP4 expert weights -> bf16 tables for streamed prefill, against the
 kernels' PyTorch references and the CPU experts' format references (`cpu_experts.formats`, the numerics contract:
 the dequantized stored weight rounded once to bf16). Every code of e4m3 and e2m1, E8M0 0 and 254, odd K, groups
 cut by K's end, the up half of a gate_up table (the gate half must stay untouched)."""
@@ -10,7 +10,7 @@ import torch
 from gpu_support import DEVICE, poisoned
 
 from cpu_experts import formats
-from gpu_layers.dequant_float import (
+from gpu_layers.dequant import (
     dequantize_fp4,
     dequantize_fp4_reference,
     dequantize_fp8,

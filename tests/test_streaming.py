@@ -294,12 +294,12 @@ def kimi_int4(tmp_path_factory):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the engine streams experts on CUDA only")
-@pytest.mark.parametrize("model", ["int8", "int4", "int4 passthrough"])
+@pytest.mark.parametrize("model", ["int8", "int4", "int4 passthrough", "fp8", "mxfp4", "nvfp4"])
 def test_prefill_through_streamed_experts_matches_gpu_resident_experts(model, source, tmp_path, request):
     if model == "int4 passthrough":
         path = request.getfixturevalue("kimi_int4")
     else:
-        group = ["--group-size", "32"] if model == "int4" else []
+        group = ["--group-size", "32"] if model in ("int4", "fp8") else []
         path = converted(source, tmp_path, "--expert-dtype", model, *group)
     args = dict(device="cuda", dtype="bfloat16", expert_activations="float")
     streamed = LLM(path, gpu_prefill_tokens=33, prefill_cpu_share=0, **args)  # every expert streamed
