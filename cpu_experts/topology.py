@@ -74,6 +74,21 @@ def allowed_cpus() -> tuple[int, ...]:
         return tuple(range(os.cpu_count() or 1))
 
 
+def physical_cores(cpus: Iterable[int], sysfs: str | Path = "/sys/devices/system/cpu") -> int:
+    """How many physical cores `cpus` span (SMT siblings count once, from each CPU's `topology/core_cpus_list`,
+    older kernels' `thread_siblings_list`); each CPU its own core where sysfs does not say."""
+    cores = set()
+    for cpu in cpus:
+        topology = Path(sysfs) / f"cpu{cpu}" / "topology"
+        path = next((topology / name for name in ("core_cpus_list", "thread_siblings_list")
+                     if (topology / name).is_file()), None)
+        try:
+            cores.add(parse_cpulist(path.read_text()) if path is not None else (cpu,))
+        except (OSError, ValueError):
+            cores.add((cpu,))
+    return len(cores)
+
+
 def discover_nodes(
     sysfs: str | Path = "/sys/devices/system/node", allowed: Iterable[int] | None = None
 ) -> list[NumaNode]:

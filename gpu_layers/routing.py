@@ -44,10 +44,16 @@ CONFIGS = {89: _WARPS_BY_BLOCK, 90: _WARPS_BY_BLOCK, 120: _WARPS_BY_BLOCK}
 
 
 @triton.jit
+def _best(values, experts, BLOCK_E: tl.constexpr):
+    """(The maximum of `values`, the lowest index holding it.)"""
+    best = tl.max(values, axis=0)
+    return best, tl.min(tl.where(values == best, experts, BLOCK_E), axis=0)
+
+
+@triton.jit
 def _argmax(values, experts, BLOCK_E: tl.constexpr):
     """The lowest index holding the maximum of `values`."""
-    best = tl.max(values, axis=0)
-    return tl.min(tl.where(values == best, experts, BLOCK_E), axis=0)
+    return _best(values, experts, BLOCK_E)[1]
 
 
 @triton.jit
@@ -98,8 +104,10 @@ def _select_topk(logits, bias_ptr, experts, num_experts, top_k, num_groups, topk
     top_ids = tl.zeros([BLOCK_K], tl.int32)
     k = 0
     while k < top_k:
-        best = _argmax(choice, experts, BLOCK_E)
-        top_weights = tl.where(slots == k, tl.sum(tl.where(experts == best, scores, 0.0), axis=0), top_weights)
+        weight, best = _best(choice, experts, BLOCK_E)  # without a bias the choice is the score: no third reduction
+        if has_bias:
+            weight = tl.sum(tl.where(experts == best, scores, 0.0), axis=0)
+        top_weights = tl.where(slots == k, weight, top_weights)
         top_ids = tl.where(slots == k, best, top_ids)
         choice = tl.where(experts == best, float("-inf"), choice)
         k += 1

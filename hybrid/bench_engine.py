@@ -28,11 +28,11 @@ import torch
 
 from cpu_experts.bench import ReadBandwidth, last_level_cache_bytes
 from cpu_experts.module import CpuExperts
-from cpu_experts.topology import allowed_cpus, use_kernel_threads
+from cpu_experts.topology import allowed_cpus, physical_cores, use_kernel_threads
 from hybrid.bench_gpu_alone import cpu_experts_answer_at_once, decode_pool_of, print_profile, profile_decode
 from hybrid.bench_guided import attach_tokenizer, guided_spec
 from hybrid.cli_args import add_arguments, from_namespace
-from hybrid.engine import Engine
+from hybrid.engine import Engine, HostSeconds
 from hybrid.engine_config import EngineConfig
 from hybrid.layers.moe import SparseMoE
 from hybrid.llm import LLM
@@ -48,6 +48,7 @@ LONG_CONTEXT_CHUNK = 8192  # prefill chunk of a long decode context (`--context`
 # experts of the step before and read them from the last-level cache (300 MB on the H200 host), not from memory.
 DECODE_SAMPLING = SamplingParams(temperature=1.0, seed=0)
 GUIDED_ROUNDS = 2  # --guided-json: decode runs without and with the schema, alternated
+HOST_PHASES = tuple(HostSeconds.__dataclass_fields__)  # the engine's step phases, as `HostSeconds` names them
 
 
 def converted_model(args) -> Path:
@@ -230,14 +231,22 @@ def measure_guided(engine: Engine, llm: LLM, args, spec: GuidedSpec, timer: CpuE
     `GUIDED_ROUNDS` times (the host's speed drifts)."""
     prompts = [torch.randint(llm.config.vocab_size, (args.context,)).tolist() for _ in range(args.batch)]
     guided = replace(DECODE_SAMPLING, guided=spec)
-    seconds, tokens = {"plain": 0.0, "guided": 0.0}, {"plain": 0, "guided": 0}
+    seconds, tokens, steps = {"plain": 0.0, "guided": 0.0}, {"plain": 0, "guided": 0}, {"plain": 0, "guided": 0}
+    phases = {kind: dict.fromkeys(HOST_PHASES, 0.0) for kind in seconds}  # the engine's host seconds by phase
     for _ in range(GUIDED_ROUNDS):
         for kind, params in (("plain", DECODE_SAMPLING), ("guided", guided)):
-            run_seconds, _, run_tokens = _decode(engine, prompts, args.tokens + 1, timer, params)
+            before = {phase: getattr(engine.host_seconds, phase) for phase in HOST_PHASES}
+            run_seconds, step_seconds, run_tokens = _decode(engine, prompts, args.tokens + 1, timer, params)
             seconds[kind] += run_seconds
             tokens[kind] += run_tokens
+            steps[kind] += len(step_seconds)
+            for phase in HOST_PHASES:
+                phases[kind][phase] += getattr(engine.host_seconds, phase) - before[phase]
     plain, constrained = (tokens[k] / seconds[k] for k in ("plain", "guided"))
-    return {"plain_tokens_per_s": plain, "guided_tokens_per_s": constrained, "guided_ratio": constrained / plain}
+    host_ms = {kind: {phase: phases[kind][phase] / max(steps[kind], 1) * 1e3 for phase in HOST_PHASES}
+               for kind in phases}
+    return {"plain_tokens_per_s": plain, "guided_tokens_per_s": constrained, "guided_ratio": constrained / plain,
+            "host_ms_per_step": host_ms}
 
 
 def _graph_serving(engine: Engine) -> tuple[float, float, int]:
@@ -329,11 +338,13 @@ def run(args) -> dict:
     config = from_namespace(EngineConfig, args, max_model_len=max(context + args.tokens + 64, 256))
     llm = LLM(path, config=config)
     timer = timed_cpu_experts(llm)
-    # --max-num-batched-tokens given: the runtime's own step budget (with --layerwise-prefill-tokens, as a server
-    # runs); else a prefill runs in one step and a long decode context in chunks of up to 8192 tokens
-    chunk = None if args.max_num_batched_tokens else min(llm.max_model_len, max(args.tokens, 64)
-                                                         if args.mode == "prefill" else
-                                                         max(min(context, LONG_CONTEXT_CHUNK), 64))
+    # a prefill runs in one step unless --max-num-batched-tokens is given (then the runtime's budgets, layer-wise
+    # prefill's included, as a server runs); a long decode context in chunks of the budget given (default up to
+    # 8192 tokens)
+    if args.mode == "prefill":
+        chunk = None if args.max_num_batched_tokens else min(llm.max_model_len, max(args.tokens, 64))
+    else:
+        chunk = min(llm.max_model_len, args.max_num_batched_tokens or max(min(context, LONG_CONTEXT_CHUNK), 64))
     engine = Engine(llm, max_num_batched_tokens=chunk, max_num_seqs=max(args.batch, 1))
     spec = guided_spec(getattr(args, "guided_json", None), args.tokens)
     if spec is not None:
@@ -370,7 +381,8 @@ def run(args) -> dict:
             "gpu_experts": llm.num_gpu_experts,
             "hot_expert_swaps": llm.hot_experts.num_swaps if llm.hot_experts is not None else None,
             "tokens_per_s": m["tokens"] / m["seconds"], "step_ms": step_s * 1e3, "steps": steps,
-            "max_step_tokens": engine.scheduler.max_num_batched_tokens,
+            "max_num_batched_tokens": engine.scheduler.max_num_batched_tokens,
+            "max_prefill_tokens": engine.scheduler.max_prefill_tokens,
             "graph_steps": m["graph_steps"], "step_p50_ms": step_times[len(step_times) // 2] * 1e3,
             "step_max_ms": step_times[-1] * 1e3, "cpu_experts_ms": cpu_s * 1e3, "cpu_wait_ms": _ms(m["cpu_wait_s"]),
             # each rank's own CPU experts per step (rank 0's alone above): the slowest rank sets the step
@@ -382,7 +394,9 @@ def run(args) -> dict:
             "deferral_kl": kl, "streamed_gb": None if streamed_bytes is None else streamed_bytes / 1e9,
             "link_gb_s": None if link_bw is None else link_bw / 1e9, "profile": profile_rows,
             "prefill_cpu_share": config.prefill_cpu_share, "split_cpu_fraction": split_cpu_fraction(llm),
-            "num_layers": llm.config.num_layers, **guided}
+            "num_layers": llm.config.num_layers,
+            # SMT siblings spin in the decode pool too: whether the host's CPUs are cores or threads of them
+            "num_cpus": len(allowed_cpus()), "num_physical_cores": physical_cores(allowed_cpus()), **guided}
 
 
 def main(argv: list[str], mode: str) -> int:
@@ -426,14 +440,16 @@ def main(argv: list[str], mode: str) -> int:
         f"{row['streamed_gb']:.2f} GB streamed at {row['link_gb_s']:.1f} GB/s host-to-device"
     context = f", context {args.context}" if mode == "decode" else ""
     tp = f" x {row['tensor_parallel_size']} ranks" if row["tensor_parallel_size"] > 1 else ""
-    print(f"{mode} on {row['device']}{tp}, batch {row['batch']}{context}, graphs {row['cuda_graph']}, decode pool "
+    print(f"{mode} on {row['device']}{tp} ({row['num_cpus']} CPUs on {row['num_physical_cores']} cores), batch "
+          f"{row['batch']}{context}, graphs {row['cuda_graph']}, decode pool "
           f"{row['decode_pool']}, GPU experts "
           f"{row['gpu_experts']}: {row['tokens_per_s']:.1f} tokens/s, step {row['step_ms']:.2f} ms (CPU experts "
           f"{row['cpu_experts_ms']:.2f}, rest {row['not_cpu_ms']:.2f}{gpu}); bound {row['bound_ms']:.2f} ms at "
           f"{rate}: {row['of_bound']:.0%} of it; physical bound (the experts' bytes alone) "
           f"{row['physical_bound_ms']:.2f} ms: {row['of_physical_bound']:.0%} of it")
-    print(f"{row['steps']} steps of up to {row['max_step_tokens']} tokens ({row['graph_steps']} replayed as graphs): "
-          f"median {row['step_p50_ms']:.2f} ms, slowest {row['step_max_ms']:.2f} ms")
+    print(f"{row['steps']} steps ({row['graph_steps']} replayed as graphs; up to {row['max_num_batched_tokens']} "
+          f"tokens, {row['max_prefill_tokens']} without decodes): median {row['step_p50_ms']:.2f} ms, slowest "
+          f"{row['step_max_ms']:.2f} ms")
     if row["tensor_parallel_size"] > 1:
         print(f"CPU experts per step on each rank: {', '.join(f'{v:.2f}' for v in row['rank_cpu_experts_ms'])} ms "
               f"(slowest {row['max_rank_cpu_experts_ms']:.2f} ms)")
@@ -448,6 +464,8 @@ def main(argv: list[str], mode: str) -> int:
     if "guided_ratio" in row:
         print(f"JSON schema on every request: {row['guided_tokens_per_s']:.1f} tokens/s against "
               f"{row['plain_tokens_per_s']:.1f} without, {row['guided_ratio']:.3f} of it")
+        for kind, phases in row["host_ms_per_step"].items():  # the sample phase holds the wait for the device
+            print(f"  engine host ms per step, {kind}: " + ", ".join(f"{p} {v:.3f}" for p, v in phases.items()))
     if row["split_cpu_fraction"] is not None:
         print(f"prefill split ({row['prefill_cpu_share']}): {row['split_cpu_fraction']:.0%} of the routed "
               f"CPU-resident experts computed on the CPU, the rest streamed")

@@ -53,20 +53,16 @@ def from_namespace(cls: type, namespace: argparse.Namespace, **overrides):
     return cls(**(values | overrides))
 
 
-def _int_or_str(text: str) -> int | str:
-    """`int | str` options (`--gpu-experts 16` or `--gpu-experts auto`)."""
-    try:
-        return int(text)
-    except ValueError:
-        return text
-
-
-def _float_or_str(text: str) -> float | str:
-    """`float | str` options (`--prefill-cpu-share 0.5` or `--prefill-cpu-share auto`)."""
-    try:
-        return float(text)
-    except ValueError:
-        return text
+def _number_or_str(number: type):
+    """The parser of `int | str` (`--gpu-experts 16` or `auto`) and `float | str` (`--prefill-cpu-share 0.5` or
+    `auto`) options: the number where the text is one, else the text."""
+    def parse(text: str) -> int | float | str:
+        try:
+            return number(text)
+        except ValueError:
+            return text
+    parse.__name__ = f"{number.__name__}_or_str"  # argparse names the type in its errors
+    return parse
 
 
 def _is_str_tuple(hint) -> bool:
@@ -78,10 +74,8 @@ def _base_type(hint) -> type:
     plain types unchanged."""
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         args = [a for a in typing.get_args(hint) if a is not type(None)]
-        if set(args) == {int, str}:
-            return _int_or_str
-        if set(args) == {float, str}:
-            return _float_or_str
+        if set(args) in ({int, str}, {float, str}):
+            return _number_or_str(next(a for a in args if a is not str))
         if len(args) != 1:
             raise TypeError(f"unsupported option type {hint}")
         hint = args[0]

@@ -20,6 +20,7 @@ LLM is the one `LLM.generate` runs through. The CPU path runs this same loop.
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +41,21 @@ class StepOutput:
     top_logprobs: tuple[tuple[int, float], ...] | None = None  # (token id, logprob), most likely first
     text: str | None = None  # with a tokenizer: the new text (held back while it could start a stop string)
     error: str | None = None  # why the request failed (finish_reason "error"; new_token is then -1)
+
+
+@dataclass
+class HostSeconds:
+    """Where the steps' host time goes, summed over the engine's steps (`Engine.host_seconds`): what a benchmark
+    reads from outside to tell a constrained step's cost apart (masks, the matchers' accepts) from the rest."""
+
+    schedule: float = 0.0  # the scheduler and the state copies it queued
+    run: float = 0.0  # inputs prepared and the forward pass launched (graph replay) or run (eager)
+    masks: float = 0.0  # grammar masks filled, while the device computes the logits
+    sample: float = 0.0  # the batched draw, its wait for the logits included
+    update: float = 0.0  # tokens appended, matchers advanced, detokenized, finished; the step's CPU side checked
+
+    def total(self) -> float:
+        return self.schedule + self.run + self.masks + self.sample + self.update
 
 
 @dataclass(frozen=True)
@@ -63,15 +79,17 @@ class EngineStats:
 class Engine:
     def __init__(self, llm, max_num_batched_tokens: int | None = None, max_num_seqs: int | None = None,
                  tokenizer=None, allow_cuda_graphs: bool = True):
-        """`max_num_batched_tokens`: tokens per step (None: the LLM's `max_step_tokens`: the engine config's
-        max_num_batched_tokens, default 512 or max_model_len if smaller, or a layer-wise prefill's larger budget
-        where experts stream); at most max_model_len, the largest step the CPU experts' staging buffers take.
+        """`max_num_batched_tokens`: tokens per step (None: the engine config's, default 512 or max_model_len if
+        smaller); at most max_model_len, the largest step the CPU experts' staging buffers take. Steps in which no
+        request decodes may take the LLM's layer-wise budget (`LLM.max_step_tokens`) where experts stream.
         `max_num_seqs` (None: the engine config's): requests run together; the config's values size the
         sliding-window cache groups, and larger ones here still run, queued where those pools run short.
         `tokenizer` (a transformers tokenizer): outputs carry their text, and requests may stop on strings.
         `allow_cuda_graphs` False: decode eagerly even where the config's `cuda_graph` would capture (`LLM.generate`'s
         own engine: one request, eager numerics)."""
-        max_num_batched_tokens = max_num_batched_tokens or llm.max_step_tokens
+        max_num_batched_tokens = max_num_batched_tokens or llm.max_num_batched_tokens
+        # layer-wise prefill (`LLM.max_step_tokens`): the budget of the steps in which no request decodes
+        max_prefill_tokens = llm.max_step_tokens if llm.max_step_tokens > llm.max_num_batched_tokens else 0
         max_num_seqs = max_num_seqs or llm.engine_config.max_num_seqs
         if max_num_batched_tokens > llm.max_model_len:
             raise ValueError(f"max_num_batched_tokens {max_num_batched_tokens} exceeds max_model_len "
@@ -83,7 +101,7 @@ class Engine:
         if llm.hot_experts is not None:
             llm.hot_experts.drain()  # no copy thread issues CUDA calls while the runner captures graphs
         self.runner = ModelRunner.for_engine(llm, max_num_seqs, allow_cuda_graphs)
-        self.scheduler = Scheduler(self.blocks, max_num_batched_tokens, max_num_seqs)
+        self.scheduler = Scheduler(self.blocks, max_num_batched_tokens, max_num_seqs, max_prefill_tokens)
         self.requests: dict[int, Request] = {}
         self._ids = itertools.count()
         self._generators: dict[int, torch.Generator] = {}
@@ -92,6 +110,7 @@ class Engine:
         # compiled grammars: the server attaches its tokenizer and compiles there, where the engine has none
         self.grammars = GrammarCache(llm.config.vocab_size, tokenizer)
         self._guided = GuidedRequests(self.grammars, pin_memory=torch.device(self.device).type == "cuda")
+        self.host_seconds = HostSeconds()
         llm.attach_engine(self)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None, max_tokens: int = 16,
@@ -154,6 +173,7 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
+        clock, start = self.host_seconds, time.perf_counter()
         chunks = self.scheduler.schedule()
         self.runner.copy_states(self.scheduler.take_state_copies())  # state snapshots restored on admission
         hot = self.llm.hot_experts
@@ -161,12 +181,17 @@ class Engine:
             if hot is not None:
                 hot.at_idle()  # experts move while no step runs
             return []
+        launched = time.perf_counter()
+        clock.schedule += launched - start
         logits = self.runner.execute_chunks(chunks)
+        clock.run += time.perf_counter() - launched
         outputs = self._update(chunks, logits)
+        updated = time.perf_counter()
         self.runner.copy_states(self.scheduler.take_state_copies())  # snapshots of the states this step ended at
         self.runner.finish_step()  # the update read the logits: the step's GPU work is over
         if hot is not None:
             hot.after_step()  # between steps: swaps flip, copies start (`hybrid.hot_experts`)
+        clock.update += time.perf_counter() - updated
         return outputs
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | None = None, max_tokens: int = 16,
@@ -184,6 +209,13 @@ class Engine:
         if not sampled:
             return []
         result = self._sample(sampled, logits)
+        start = time.perf_counter()
+        outputs = self._append(sampled, result)
+        self.host_seconds.update += time.perf_counter() - start
+        return outputs
+
+    def _append(self, sampled: list[Request], result: SampleResult) -> list[StepOutput]:
+        """Each sampled request's new token: accepted by its grammar, appended, finished where it ends."""
         outputs = []
         for i, r in enumerate(sampled):
             if result.errors[i] is not None:
@@ -211,6 +243,11 @@ class Engine:
         """logits [len(requests), V] -> every request's next token in one batched draw (one host sync); a seeded
         request draws from its own generator, the rest from the device's default one. The constrained requests'
         masks are filled here, before anything waits for the logits."""
+        start = time.perf_counter()
         mask = self._guided.fill([r.request_id for r in requests])
+        filled = time.perf_counter()
         rows = [RowInputs(r.params, self._generators.get(r.request_id), r.prompt_ids, r.output_ids) for r in requests]
-        return sample_batch(logits, rows, mask=mask)
+        result = sample_batch(logits, rows, mask=mask)
+        self.host_seconds.masks += filled - start
+        self.host_seconds.sample += time.perf_counter() - filled
+        return result

@@ -37,10 +37,10 @@ class EngineConfig:
     # `hybrid.placement.layerwise_step_tokens`: a long prompt's chunk grows to what the GPU memory holds, so that
     # the experts streamed for it cross PCIe once per chunk instead of once per max_num_batched_tokens
     layerwise_prefill_tokens: int | str = field(default="auto", metadata=_help(
-        "where routed experts stream to the GPU for prefill: tokens one engine step may take (each layer runs all "
-        "of them before the next layer, so every streamed expert crosses PCIe once a step); 'auto': as many as the "
-        "GPU memory left after weights, KV cache and gpu_experts holds, up to max_model_len; 0: steps stay within "
-        "max_num_batched_tokens"))
+        "where routed experts stream to the GPU for prefill: tokens an engine step without decodes may take (each "
+        "layer runs all of them before the next layer, so every streamed expert crosses PCIe once a step; steps "
+        "beside a decode keep to max_num_batched_tokens); 'auto': as many as the GPU memory left after weights, KV "
+        "cache and gpu_experts holds, up to max_model_len; 0: off"))
     numa_partitions: int | None = field(default=None, metadata=_help(
         "CPU experts: partitions of the intermediate dimension; default one per NUMA node"))
     # int8 CPU experts: "int8" rounds each activation row to int8 (W8A8: VNNI/AMX-INT8 prefill, what llama.cpp and

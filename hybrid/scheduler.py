@@ -2,7 +2,9 @@
 
 Each step has a budget of `max_num_batched_tokens` and `max_num_seqs`. Running requests come first, oldest first:
 a decoding request takes one token, a request still in its prompt takes a chunk of it (chunked prefill), so long
-prompts never stall the decodes beside them. Waiting requests are admitted after that while budget and KV pages
+prompts never stall the decodes beside them. A step in which no request decodes may take up to
+`max_prefill_tokens` instead (layer-wise prefill, where streamed experts are reused by every token of a step:
+`hybrid.llm.LLM.max_step_tokens`). Waiting requests are admitted after that while budget and KV pages
 last; a request's cached prefix (`CacheGroupBlocks.match_prefix`) is not recomputed. A request keys each
 of its full pages once, when the page fills (`advance`), and publishes it to the prefix cache then. A request holds
 one block table per cache group; at each step start, sliding-window groups take back the pages before its window.
@@ -68,11 +70,15 @@ class ScheduledChunk:
 
 
 class Scheduler:
-    def __init__(self, blocks: CacheGroupBlocks, max_num_batched_tokens: int, max_num_seqs: int):
+    def __init__(self, blocks: CacheGroupBlocks, max_num_batched_tokens: int, max_num_seqs: int,
+                 max_prefill_tokens: int = 0):
+        """`max_prefill_tokens`: the budget of a step without decodes (0, or below max_num_batched_tokens: the
+        same budget for every step)."""
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
         self.blocks = blocks
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
+        self.max_prefill_tokens = max(max_prefill_tokens, max_num_batched_tokens)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         # (from row, to row) copies of the recurrent-state pools the runner makes between steps: snapshot restores
@@ -91,7 +97,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> list[ScheduledChunk]:
-        budget = self.max_num_batched_tokens
+        is_decoding = any(r.num_computed >= len(r.prompt_ids) for r in self.running)
+        budget = self.max_num_batched_tokens if is_decoding else self.max_prefill_tokens
         chunks: list[ScheduledChunk] = []
         for request in self.running:
             self.blocks.release_out_of_window(request.block_tables, request.num_computed)

@@ -45,7 +45,7 @@ class ServerConfig:
         "aliases": ("--max-model-len",)})
     max_num_batched_tokens: int | None = field(default=None, metadata={
         "help": "tokens per engine step (prefill chunk budget); default min(512, context length); where routed "
-                "experts stream to the GPU, prefill steps may take more (--layerwise-prefill-tokens)"})
+                "experts stream to the GPU, steps without decodes may take more (--layerwise-prefill-tokens)"})
     tool_call_parser: str = field(default="auto", metadata={
         "help": "tool-call format of the model's output; auto: from the chat template and vocabulary (qwen3_coder "
                 "also for Qwen3-Next / Qwen3.5 architectures, glm47 for GLM-5's, deepseek_v32 with DeepSeek-V3.2's "

@@ -157,6 +157,7 @@ def test_engine_benchmarks_run_on_a_converted_model(tmp_path, capsys):
         # on the CPU nothing overlaps the experts: the bound adds the rest of the step to the experts' reads
         assert 0 < row["physical_bound_ms"] < row["bound_ms"], row
         assert row["of_physical_bound"] == pytest.approx(row["physical_bound_ms"] / row["step_ms"])
+        assert 1 <= row["num_physical_cores"] <= row["num_cpus"]
     # tensor parallel (gloo here): the engine over 2 ranks, each with its slice of the CPU experts
     assert main(["decode", "--model", str(tmp_path / "dst"), "--device", "cpu", "--dtype", "float32",
                  "--tokens", "4", "--json", "--tp", "2"]) == 0
@@ -260,6 +261,9 @@ def test_decode_benchmark_with_a_json_schema(tmp_path, capsys):
     row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert row["plain_tokens_per_s"] > 0 and row["guided_tokens_per_s"] > 0
     assert row["guided_ratio"] == pytest.approx(row["guided_tokens_per_s"] / row["plain_tokens_per_s"])
+    host = row["host_ms_per_step"]  # the engine's own phases: only the constrained runs fill masks
+    assert set(host["plain"]) == {"schedule", "run", "masks", "sample", "update"} and host["plain"]["run"] > 0
+    assert host["guided"]["masks"] > 0 and host["plain"]["masks"] < host["guided"]["masks"]
     with pytest.raises(SystemExit, match="ended a request after"):
         main([*decode, '{"enum": ["a", "b"]}'])
 

@@ -12,6 +12,7 @@ from cpu_experts.topology import (
     make_partitions,
     node_cpus,
     parse_cpulist,
+    physical_cores,
     pin_current_thread,
     pinned_thread,
     rank_cpus,
@@ -255,3 +256,16 @@ def test_compile_cache_dropped_when_any_source_changes(tmp_path):
     (tmp_path / "kernels.py").write_text("A = 2\n")  # the callee only
     assert compile_cache.refresh(tmp_path) and not list(cache.glob("*.nb?"))
     assert not compile_cache.refresh(tmp_path)
+
+
+def test_physical_cores_count_smt_siblings_once(tmp_path):
+    """Two sockets' worth of sysfs: CPUs 0-3 are two cores with two threads each (core_cpus_list), CPU 4 an old
+    kernel's thread_siblings_list, CPU 5 says nothing (its own core)."""
+    for cpu, siblings, name in ((0, "0,2", "core_cpus_list"), (2, "0,2", "core_cpus_list"),
+                                (1, "1,3", "core_cpus_list"), (3, "1,3", "core_cpus_list"),
+                                (4, "4", "thread_siblings_list")):
+        (tmp_path / f"cpu{cpu}" / "topology").mkdir(parents=True)
+        (tmp_path / f"cpu{cpu}" / "topology" / name).write_text(siblings + "\n")
+    assert physical_cores(range(6), tmp_path) == 4
+    assert physical_cores((0, 2), tmp_path) == 1 and physical_cores((0, 1), tmp_path) == 2
+    assert physical_cores(range(4)) >= 1  # this machine's own sysfs

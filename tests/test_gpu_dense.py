@@ -222,6 +222,19 @@ def test_grouped_topk(case, num_tokens):
     assert_same_routing(weights, ids, *routing.grouped_topk_reference(logits, bias, *args))
 
 
+def test_routing_ties_go_to_the_lowest_expert():
+    """Four experts tie for the top-3 (positive scores; then negative choices, a bias below the sigmoid's 0.5): the
+    lowest three win, whatever the reduction's lane order; weights are the tied experts' scores."""
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.5, 3.0, -2.0, 3.0, 0.0]], device=DEVICE)
+    weights, ids = routing.softmax_topk(logits, 3, False, out=routing_out(1, 3))
+    assert sorted(ids[0].tolist()) == [1, 2, 4]
+    torch.testing.assert_close(weights, torch.softmax(logits, -1)[:, [1, 2, 4]], rtol=1e-6, atol=0)
+    bias = torch.tensor([-2.0, -1.5, -1.5, -3.0, -1.5, -2.0, -4.0, -1.5], device=DEVICE)
+    weights, ids = routing.grouped_topk(torch.zeros(1, 8, device=DEVICE), bias, 3, 1, 1, "sigmoid", "none", False,
+                                        1.0, out=routing_out(1, 3))
+    assert sorted(ids[0].tolist()) == [1, 2, 4] and torch.equal(weights, torch.full_like(weights, 0.5))
+
+
 def test_routing_argument_checks():
     logits = distinct_logits(2, 16)
     with pytest.raises(ValueError, match="top_k"):

@@ -10,11 +10,14 @@ that calls it runs on the device (`.dev/layerwise.sh`)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from checkpoints import prompt
 from test_cache_groups import BLOCK, WINDOW, gpt_oss_path, make_llm, poison_free_windowed_pages  # noqa: F401
 
+from hybrid import parallel
 from hybrid.cache_groups import windowed_blocks
 from hybrid.engine_config import EngineConfig
 from hybrid.errors import ConfigError
@@ -32,6 +35,35 @@ def test_planner_takes_the_largest_step_every_budget_holds():
     assert layerwise_step_tokens([30 * GiB, 14 * GiB], step_bytes, 512, 100_000) == 4 * 1024  # the smaller GPU
     assert layerwise_step_tokens(200 * GiB, step_bytes, 512, 8192) == 8192  # at most max_model_len
     assert layerwise_step_tokens(10 * GiB, step_bytes, 512, 8192) == 512  # none fits: the chunked budget
+
+
+def test_scheduler_grows_only_the_steps_without_decodes():
+    """Budget 4, layer-wise 16: a prompt alone runs 16 tokens a step; once a request decodes, every step keeps to 4
+    (a decode waits for no long step), the decode first; then 16 again when none decodes."""
+    from test_cache_groups import request, two_groups
+
+    from hybrid.scheduler import Scheduler
+
+    scheduler = Scheduler(two_groups(num_windowed=400, num_full=400), 4, 8, max_prefill_tokens=16)
+    first, second = request(0, 20, max_tokens=2), request(1, 40, max_tokens=2)
+    scheduler.add(first)
+
+    def step():
+        chunks = scheduler.schedule()
+        for chunk in chunks:
+            is_last = chunk.is_last
+            scheduler.advance(chunk.request, chunk.num_new)
+            if is_last:  # its logits sampled a token
+                chunk.request.output_ids.append(7)
+        return [(c.request.request_id, c.num_new) for c in chunks]
+
+    assert step() == [(0, 16)]
+    assert step() == [(0, 4)]  # the prompt's end; its first token sampled: it decodes from now on
+    scheduler.add(second)
+    assert step() == [(0, 1), (1, 3)]  # beside a decode: the budget of 4
+    scheduler.finish(first, "stop")
+    assert step() == [(1, 16)]  # none decodes: layer-wise again
+    assert Scheduler(two_groups(), 4, 8, max_prefill_tokens=2).max_prefill_tokens == 4  # never below the budget
 
 
 @pytest.mark.parametrize("value", [-1, "all", 1.5])
@@ -133,3 +165,37 @@ def test_auto_on_cuda_takes_a_streamed_prompt_in_one_step(tmp_path):
         engine.close()
         llm.close()
     assert tokens[0] == tokens[1]
+
+
+def planned_step_tokens(path, gpu_bytes: int, monkeypatch, **options) -> int:
+    """`LLM._resolve_step_tokens` as a CUDA build runs it (experts streamed, a GPU of `gpu_bytes`), on the meta
+    device: the planner's inputs come from the model's own layers and cache groups."""
+    from hybrid.engine_config import EngineConfig
+    from hybrid.llm import LLM
+    from hybrid.models import load_model_config
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=gpu_bytes))
+    llm = LLM.__new__(LLM)
+    cls, llm.config = load_model_config(path)
+    llm.engine_config = EngineConfig(device="cuda", dtype="bfloat16", block_size=BLOCK, **options)
+    llm.tp, llm.max_model_len = parallel.SINGLE, options.get("max_model_len", 4096)
+    llm.max_num_batched_tokens, llm.gpu_prefill_tokens = 16, 64  # as if its experts stream
+    return llm._resolve_step_tokens(cls, 4 * llm.max_model_len // BLOCK)
+
+
+def test_auto_plans_the_step_from_the_gpu_memory(gpt_oss_path, monkeypatch):  # noqa: F811
+    """The planned step grows with the GPU's memory up to max_model_len, shrinks with resident experts, and a GPU
+    too small for any larger step keeps max_num_batched_tokens."""
+    from hybrid.models import load_model_config
+    from hybrid.placement import activation_bytes
+
+    def planned(gpu_bytes, **options):
+        return planned_step_tokens(gpt_oss_path, gpu_bytes, monkeypatch, max_model_len=4096, **options)
+
+    assert planned(1 << 40) == 4096
+    assert planned(1 << 20) == 16  # nothing fits: the chunked budget
+    # 90% of this GPU holds 2048 tokens' activations: less the weights and caches, a step a little shorter
+    budget = int(activation_bytes(load_model_config(gpt_oss_path)[1], 2048) / 0.9)
+    middle = planned(budget)
+    assert 16 < middle < 2048
+    assert planned(budget, gpu_experts=4) < middle  # resident experts take their share first
