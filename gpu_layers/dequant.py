@@ -123,7 +123,7 @@ def dequantize_nibbles_kernel(
     _store_table(out, rows, cols, mask, value, rows_per_expert, stride_oe, stride_on)
 
 
-def checked_table(out: torch.Tensor | None, shape: tuple[int, ...], w: torch.Tensor, scales: torch.Tensor
+def _checked_table(out: torch.Tensor | None, shape: tuple[int, ...], w: torch.Tensor, scales: torch.Tensor
                  ) -> torch.Tensor:
     """The launchers' bf16 output [E, N, K] (allocated if None), checked: unit column stride, w's device."""
     if out is None:
@@ -146,7 +146,7 @@ def dequantize_int8(w: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | N
             or not scales.is_contiguous() or num_cols % scales.shape[2]:
         raise ValueError(f"scales must be contiguous float32 [E, N, G] = [{num_experts}, {rows_per_expert}, G] with G "
                          f"dividing K={num_cols}, got {tuple(scales.shape)} {scales.dtype}")
-    out = checked_table(out, tuple(w.shape), w, scales)
+    out = _checked_table(out, tuple(w.shape), w, scales)
     num_rows = num_experts * rows_per_expert
     if num_rows == 0 or num_cols == 0:
         return out
@@ -174,7 +174,7 @@ def dequantize_int4(w: torch.Tensor, scales: torch.Tensor, group_size: int, num_
             or scales.dtype not in (torch.float32, torch.bfloat16) or not scales.is_contiguous():
         raise ValueError(f"scales must be contiguous float32 or bfloat16 [E, N, ceil(K / group_size)] = "
                          f"[{num_experts}, {rows_per_expert}, {num_groups}], got {tuple(scales.shape)} {scales.dtype}")
-    out = checked_table(out, (num_experts, rows_per_expert, num_cols), w, scales)
+    out = _checked_table(out, (num_experts, rows_per_expert, num_cols), w, scales)
     num_rows = num_experts * rows_per_expert
     if num_rows == 0 or num_cols == 0:
         return out
@@ -201,7 +201,7 @@ def dequantize_fp8(w: torch.Tensor, scales: torch.Tensor, group_size: int, out: 
     _check("w", w, tuple(w.shape), torch.uint8)
     num_groups = -(-num_cols // group_size)
     _check("scales", scales, (num_experts, rows_per_expert, num_groups), torch.float32)
-    out = checked_table(out, tuple(w.shape), w, scales)
+    out = _checked_table(out, tuple(w.shape), w, scales)
     num_rows = num_experts * rows_per_expert
     if num_rows and num_cols:
         grid = (triton.cdiv(num_rows, BLOCK_R), triton.cdiv(num_cols, BLOCK_K))
@@ -224,7 +224,7 @@ def dequantize_fp4(w: torch.Tensor, scales: torch.Tensor, num_cols: int, tensor_
     _check("scales", scales, (num_experts, rows_per_expert, num_groups), torch.uint8)
     if is_nvfp4:
         _check("tensor_scale", tensor_scale, (num_experts,), torch.float32)
-    out = checked_table(out, (num_experts, rows_per_expert, num_cols), w, scales)
+    out = _checked_table(out, (num_experts, rows_per_expert, num_cols), w, scales)
     num_rows = num_experts * rows_per_expert
     if num_rows and num_cols:
         grid = (triton.cdiv(num_rows, BLOCK_R), triton.cdiv(num_cols, BLOCK_K))

@@ -21,7 +21,7 @@ import argparse
 import json
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -48,7 +48,7 @@ LONG_CONTEXT_CHUNK = 8192  # prefill chunk of a long decode context (`--context`
 # experts of the step before and read them from the last-level cache (300 MB on the H200 host), not from memory.
 DECODE_SAMPLING = SamplingParams(temperature=1.0, seed=0)
 GUIDED_ROUNDS = 2  # --guided-json: decode runs without and with the schema, alternated
-HOST_PHASES = tuple(HostSeconds.__dataclass_fields__)  # the engine's step phases, as `HostSeconds` names them
+HOST_PHASES = tuple(f.name for f in fields(HostSeconds))  # the engine's step phases, as `HostSeconds` names them
 
 
 def converted_model(args) -> Path:

@@ -54,9 +54,6 @@ class HostSeconds:
     sample: float = 0.0  # the batched draw, its wait for the logits included
     update: float = 0.0  # tokens appended, matchers advanced, detokenized, finished; the step's CPU side checked
 
-    def total(self) -> float:
-        return self.schedule + self.run + self.masks + self.sample + self.update
-
 
 @dataclass(frozen=True)
 class EngineStats:

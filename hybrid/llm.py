@@ -6,8 +6,10 @@ inputs and sampling have one implementation."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
+from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -40,6 +42,7 @@ from hybrid.placement import (
     activation_bytes,
     auto_gpu_experts,
     layerwise_step_tokens,
+    resident_expert_bytes,
 )
 from hybrid.prefill_split import PrefillRates, measure_cpu, measure_link
 from hybrid.rank_stats import RankCounters, RankStats, RankTable
@@ -114,10 +117,12 @@ class LLM:
         make_experts = None
         # the one path from MoE layers to their CPU experts; the runner sets its step mode
         self.cpu_handoff = CpuHandoff() if is_cpu_experts else None
+        # planned on the meta device once, and only where an "auto" setting asks for it
+        plan = functools.cache(partial(self._memory_plan, cls, num_blocks))
         # the scheduler's budget: max_num_batched_tokens, or a layer-wise prefill's (`_resolve_step_tokens`)
-        self.max_step_tokens = self._resolve_step_tokens(cls, num_blocks)
+        self.max_step_tokens = self._resolve_step_tokens(plan)
         if is_cpu_experts:
-            self.num_gpu_experts = self._resolve_gpu_experts(cls, num_blocks)
+            self.num_gpu_experts = self._resolve_gpu_experts(cls, plan)
             if cfg.hot_experts_interval:
                 check_hot_experts(cfg.hot_experts_interval, cfg.hot_experts_swaps, self.num_gpu_experts,
                                   moe.num_experts)
@@ -283,7 +288,7 @@ class LLM:
             self.expert_stream.unpin()
         self._leave_ranks()
 
-    def _resolve_gpu_experts(self, cls: type[MoECausalLM], num_blocks: int) -> int:
+    def _resolve_gpu_experts(self, cls: type[MoECausalLM], plan: Callable[[], MemoryPlan]) -> int:
         """`gpu_experts` as a count: "auto" fills the device memory left after the dense weights, the KV cache and
         a reserve for activations (estimated on the meta device, before anything is allocated)."""
         cfg = self.engine_config
@@ -299,13 +304,14 @@ class LLM:
             return cfg.gpu_experts
         if not cfg.is_cuda:
             return 0
-        plan = self._memory_plan(cls, num_blocks)
-        fits = auto_gpu_experts(self.config, plan.budgets, plan.dense_bytes + plan.kv_bytes(self.max_step_tokens),
-                                activation_bytes(self.config, self.max_model_len) + plan.streaming_bytes,
+        memory = plan()
+        fits = auto_gpu_experts(self.config, memory.budgets,
+                                memory.dense_bytes + memory.kv_bytes(self.max_step_tokens),
+                                activation_bytes(self.config, self.max_model_len) + memory.streaming_bytes,
                                 cfg.torch_dtype.itemsize)
         return fits if cfg.max_gpu_experts is None else min(fits, cfg.max_gpu_experts)
 
-    def _resolve_step_tokens(self, cls: type[MoECausalLM], num_blocks: int) -> int:
+    def _resolve_step_tokens(self, plan: Callable[[], MemoryPlan]) -> int:
         """The tokens one engine step may take: `max_num_batched_tokens`, or more where routed experts stream to the
         GPU for prefill (`layerwise_prefill_tokens`; "auto": as many as the GPU memory holds beside the weights, the
         KV cache and the `gpu_experts` count, which "auto" experts then fill around)."""
@@ -318,13 +324,11 @@ class LLM:
             return max(tokens, self.max_num_batched_tokens)
         if not self.gpu_prefill_tokens:  # nothing streams: a longer step would reuse nothing
             return self.max_num_batched_tokens
-        plan = self._memory_plan(cls, num_blocks)
-        moe, num_ranks = self.config.moe, self.tp.size
-        num_resident = 0 if cfg.gpu_experts == "auto" else -(-cfg.gpu_experts // num_ranks)  # this rank's share
-        resident = num_resident * sum(self.config.moe_layers) * 3 * self.config.hidden_size \
-            * moe.intermediate_size * cfg.torch_dtype.itemsize
+        memory = plan()
+        num_resident = 0 if cfg.gpu_experts == "auto" else -(-cfg.gpu_experts // self.tp.size)  # this rank's share
+        resident = resident_expert_bytes(self.config, num_resident, cfg.torch_dtype.itemsize)
         fits = layerwise_step_tokens(
-            plan.budgets, lambda t: plan.dense_bytes + resident + plan.kv_bytes(t) + plan.streaming_bytes
+            memory.budgets, lambda t: memory.dense_bytes + resident + memory.kv_bytes(t) + memory.streaming_bytes
             + activation_bytes(self.config, t), self.max_num_batched_tokens, self.max_model_len)
         log.info("layer-wise prefill: steps of up to %d tokens (each streamed expert crosses PCIe once a step)", fits)
         return fits

@@ -130,14 +130,18 @@ def auto_gpu_experts(config, budget_bytes: int | Sequence[int], used_bytes: int,
     Tensor parallel: `budget_bytes` lists every rank's GPU budget (used and reserve are each rank's own); the
     count, over all GPUs, is what `ExpertPlacement.choose` deals out, so every rank holds at most its fill of the
     GPU with the least room. Every rank must pass the same list (they must agree on the placement)."""
-    moe = config.moe
-    num_moe_layers = sum(config.moe_layers)
     budgets = list(budget_bytes) if isinstance(budget_bytes, Sequence) else [budget_bytes]
-    if num_moe_layers == 0 or not budgets:
+    per_expert = resident_expert_bytes(config, 1, element_size)  # one expert in every MoE layer
+    if per_expert == 0 or not budgets:
         return 0
-    expert_bytes = 3 * config.hidden_size * moe.intermediate_size * element_size  # gate, up, down
-    per_rank = min(budget - used_bytes - reserve_bytes for budget in budgets) // (expert_bytes * num_moe_layers)
-    return max(0, min(moe.num_experts, len(budgets) * per_rank))
+    per_rank = min(budget - used_bytes - reserve_bytes for budget in budgets) // per_expert
+    return max(0, min(config.moe.num_experts, len(budgets) * per_rank))
+
+
+def resident_expert_bytes(config, num_experts: int, element_size: int) -> int:
+    """Device bytes of `num_experts` GPU-resident routed experts in every MoE layer (gate, up and down)."""
+    return num_experts * sum(config.moe_layers) * 3 * config.hidden_size * config.moe.intermediate_size \
+        * element_size
 
 
 @dataclass(frozen=True)

@@ -180,7 +180,7 @@ def planned_step_tokens(path, gpu_bytes: int, monkeypatch, **options) -> int:
     llm.engine_config = EngineConfig(device="cuda", dtype="bfloat16", block_size=BLOCK, **options)
     llm.tp, llm.max_model_len = parallel.SINGLE, options.get("max_model_len", 4096)
     llm.max_num_batched_tokens, llm.gpu_prefill_tokens = 16, 64  # as if its experts stream
-    return llm._resolve_step_tokens(cls, 4 * llm.max_model_len // BLOCK)
+    return llm._resolve_step_tokens(lambda: llm._memory_plan(cls, 4 * llm.max_model_len // BLOCK))
 
 
 def test_auto_plans_the_step_from_the_gpu_memory(gpt_oss_path, monkeypatch):  # noqa: F811
