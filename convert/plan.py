@@ -90,6 +90,9 @@ def build_plan(source: str | Path, allow_nonfinite: bool = False) -> Plan:
         raise ConfigError(f"{source}: already a hybrid-convert output ({MANIFEST_FILE} present); convert the "
                           "original HuggingFace checkpoint instead")
     cls, config = load_model_config(source)
+    if not config.num_moe_layers:
+        raise ConfigError(f"{source}: {config.architecture} has no routed experts, so there is nothing to convert for "
+                          "the CPU operator; serve the checkpoint directory as it is")
     with torch.device("meta"):
         model = cls(config)
     ckpt = Checkpoint.open(source, config.fp8_block_size, config.compressed_tensors,

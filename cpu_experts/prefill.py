@@ -31,6 +31,7 @@ from cpu_experts.kernels_fp8 import FLOAT16_BIAS, e4m3_over_256
 from cpu_experts.packed import PackedLayer, PartitionWeights
 
 FLAGS = dict(parallel=True, fastmath=True, nogil=True, cache=True)
+EXACT_FLAGS = dict(parallel=True, nogil=True, cache=True)  # products in the written order
 
 
 # ---- numba kernels -------------------------------------------------------------------------------------------
@@ -58,10 +59,11 @@ def dequantize_int4(packed, scales, group, out):
             out[n, j] = np.float32(nibble - 8) * scale_value(scales[n, j // group])
 
 
-@njit(**FLAGS)
+@njit(**EXACT_FLAGS)
 def dequantize_fp8(q, scales, group, out):
     """q uint8 [N, K] e4m3 bits, scales float32 [N, G] -> out float32 [N, K] (value x scale, rounded once: the
-    reference's `formats.dequantize_fp8`)."""
+    reference's `formats.dequantize_fp8`). Not fastmath: reassociated, (value / 256) * 256 * scale became
+    (value / 256) * (256 * scale), infinite for an E8M0 scale of 2^127 (DeepSeek-V4's `.scale` 254)."""
     cols = q.shape[1]
     for n in prange(q.shape[0]):
         for g in range(scales.shape[1]):

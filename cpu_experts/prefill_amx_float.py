@@ -6,7 +6,7 @@ Numerics (the float formats' contract, as the decode kernels `kernels_fp8` / `ke
 rounded to bf16, weights are their exact stored values, products exact and sums float32. So:
 - e4m3 codes and e2m1 codes are exact in bf16; FP8's group scale is not (e4m3 x float32 has up to 27 significant
   bits), so each group's C tiles are zeroed, accumulated over the group's steps of 32 columns, stored and added to
-  float32 accumulators times the row's group scale (`_scale_add`; group 128: 4 steps).
+  float32 accumulators times the row's group scale (group 128: 4 steps).
 - NVFP4: e2m1 x its e4m3 block scale (at most 6 significant bits, 2^-10 at least) is exact in bf16, so the block
   scale (group 16, half a step) is folded into the converted weights; the tensor scale multiplies the whole row's
   sum (one "group").
@@ -17,39 +17,31 @@ AMX-BF16 treats bf16 subnormal inputs as zero and flushes subnormal results: act
 model's hidden states) count as zero here.
 
 Operands (the tile layouts of `prefill_amx`, 64 bytes a tile row = 32 bf16 columns a step):
-- A: a task's weight rows converted to bf16 in a per-thread scratch by vector IR (`_fp8_to_bf16`, `_fp4_to_bf16`).
+- A: a task's weight rows converted to bf16 by vector IR into a per-thread buffer: CHUNK columns of its 32 rows at
+  a time, multiplied while in L1 (`prefill_amx_float_chunked`). The first kernels converted whole rows into a
+  scratch; the chunked ones replaced them at 1.39-1.54x with the same outputs bit for bit (docs/benchmarks.md).
 - B: the call's bf16 activations in AMX's pair layout (row r of a tile = the 4-byte column pair r of 16 tokens),
   packed once per call (`prefill_amx.pack_vnni` on bf16 rows viewed as pairs).
-All offsets handed to the tile functions are in bytes. `reference_kernels` replaces the tile instructions by
-`_bf16_block_reference` (tests on CPUs without AMX). Needs H and every partition's I to be multiples of 32 and an
+All offsets handed to the tile functions are in bytes. `reference_kernels` replaces the tile instructions by a
+plain-numba reference (tests on CPUs without AMX). Needs H and every partition's I to be multiples of 32 and an
 FP8 group that is a multiple of 32 (`is_supported`).
 """
 
 from __future__ import annotations
 
-import types as pytypes
-
 import numba
 import numpy as np
 import torch
 from llvmlite import ir
-from numba import njit, prange, types
-from numba.core import cgutils
-from numba.extending import intrinsic
+from numba import njit
 
 from cpu_experts import formats
-from cpu_experts.kernels import activation, bf16_bits, epilogues, scale_value
+from cpu_experts.kernels import activation, bf16_bits, epilogues
 from cpu_experts.packed import PackedLayer
 from cpu_experts.prefill import Workspace
 from cpu_experts.prefill_amx import (
     TILE_BYTES,
     TILE_ROWS,
-    _no_tile_begin,
-    _no_tile_end,
-    _ptr,
-    _tile_begin,
-    _tile_end,
-    _tiles_codegen,
     has_amx,
     pack_vnni,
     tile_config,
@@ -58,6 +50,8 @@ from cpu_experts.prefill_int8 import COLUMN_TILE
 
 FLAGS = dict(parallel=True, fastmath=True, nogil=True, cache=True)
 STEP = TILE_BYTES // 2  # bf16 columns a tile step
+CHUNK = 512  # columns `prefill_amx_float_chunked` converts at a time: 32 rows x 512 bf16 = 32 KiB, in L1
+C_FLOATS = 4 * TILE_ROWS * TILE_ROWS  # the 4 C tiles of a pass over two column tiles (A0, A1 x B0, B1)
 FP8, MXFP4, NVFP4 = 0, 1, 2
 FORMATS = {"fp8": FP8, "mxfp4": MXFP4, "nvfp4": NVFP4}
 FP4_BLOCK = 16  # columns a converted FP4 factor covers (an NVFP4 group, half an MXFP4 one)
@@ -82,49 +76,6 @@ def is_supported(layer: PackedLayer) -> bool:
             and (spec.dtype != "fp8" or spec.group_size % STEP == 0))
 
 
-# ---- tiles -------------------------------------------------------------------------------------------------------
-
-@intrinsic
-def _bf16_tiles1(typingctx, a0, a0_off, a1, a1_off, lda, b, b_off, b_step, num_k, c):
-    """c[0:256] = A0 . B0, c[256:512] = A1 . B0 over num_k steps of 32 bf16 columns (float32 c)."""
-    return types.void(a0, a0_off, a1, a1_off, lda, b, b_off, b_step, num_k, c), _tiles_codegen(1, op="tdpbf16ps")
-
-
-@intrinsic
-def _bf16_tiles2(typingctx, a0, a0_off, a1, a1_off, lda, b, b_off, b_step, num_k, c):
-    """`_bf16_tiles1` and c[512:768] = A0 . B1, c[768:1024] = A1 . B1."""
-    return types.void(a0, a0_off, a1, a1_off, lda, b, b_off, b_step, num_k, c), _tiles_codegen(2, op="tdpbf16ps")
-
-
-@njit(fastmath=True, cache=True)
-def _bf16_block(a0, a0_off, a1, a1_off, lda, b, b_off, b_step, num_k, num_b, c):
-    """The micro-kernel (`prefill_amx._tiles_codegen`) with `tdpbf16ps` over num_b (1 or 2) column tiles."""
-    if num_b == 2:
-        _bf16_tiles2(a0, a0_off, a1, a1_off, lda, b, b_off, b_step, num_k, c)
-    else:
-        _bf16_tiles1(a0, a0_off, a1, a1_off, lda, b, b_off, b_step, num_k, c)
-
-
-@njit(cache=True)
-def _bf16_block_reference(a0, a0_off, a1, a1_off, lda, b, b_off, b_step, num_k, num_b, c):
-    """`_bf16_block` in plain numba, element by element (uint16 arrays of bf16 bits, byte offsets): its oracle on
-    CPUs without AMX-BF16."""
-    fa0, fa1, fb = a0.ravel(), a1.ravel(), b.ravel()
-    for t in range(num_b):
-        for r in range(TILE_ROWS):
-            row0, row1 = (a0_off + r * lda) // 2, (a1_off + r * lda) // 2
-            for col in range(TILE_ROWS):
-                s0, s1 = np.float32(0.0), np.float32(0.0)
-                for kc in range(num_k):
-                    b_tile = (b_off + kc * b_step + t * TILE_ROWS * TILE_BYTES) // 2
-                    for k in range(STEP):  # B row k // 2 holds columns k & ~1, k | 1 of each token (a pair)
-                        bv = scale_value(fb[b_tile + (k // 2) * STEP + col * 2 + k % 2])
-                        s0 += scale_value(fa0[row0 + kc * STEP + k]) * bv
-                        s1 += scale_value(fa1[row1 + kc * STEP + k]) * bv
-                c[t * 512 + r * TILE_ROWS + col] = s0
-                c[t * 512 + 256 + r * TILE_ROWS + col] = s1
-
-
 # ---- weights to bf16 (vector IR, 32 columns a step) --------------------------------------------------------------
 
 def _splat(builder, vector_type, value):
@@ -133,88 +84,35 @@ def _splat(builder, vector_type, value):
 
 def _store_bf16(builder, values, dst, at):
     """<32 x float> holding bf16 values -> their bits (the high halves: exact) at dst[at] (bytes)."""
-    v32i, v32s = ir.VectorType(I32, STEP), ir.VectorType(I16, STEP)
-    bits = builder.trunc(builder.lshr(builder.bitcast(values, v32i), _splat(builder, v32i, 16)), v32s)
-    builder.store(bits, builder.bitcast(builder.gep(dst, [at]), v32s.as_pointer()), align=1)
+    words = builder.bitcast(values, ir.VectorType(I16, 2 * STEP))  # little-endian: word 2j + 1 is float j's high half
+    high = ir.Constant(ir.VectorType(I32, STEP), [2 * j + 1 for j in range(STEP)])  # one word permute on AVX-512
+    bits = builder.shuffle_vector(words, words, high)
+    builder.store(bits, builder.bitcast(builder.gep(dst, [at]), bits.type.as_pointer()), align=1)
 
 
-@intrinsic
-def _fp8_to_bf16(typingctx, src, src_off, dst, dst_off, num_steps):
-    """dst (bytes from dst_off) = bf16 bits of the num_steps * 32 e4m3 codes at src (bytes from src_off), exact:
-    the e4m3 bits become a float16's (value / 256, subnormals included: `kernels_fp8`'s decoding), widened and
-    times 256."""
-    def codegen(context, builder, sig, args):
-        v32b, v32w = ir.VectorType(I8, STEP), ir.VectorType(I16, STEP)
-        v32h, v32f = ir.VectorType(ir.HalfType(), STEP), ir.VectorType(F32, STEP)
-        src_p = _ptr(context, builder, sig.args[0], args[0], args[1])
-        dst_p = _ptr(context, builder, sig.args[2], args[2], args[3])
-        with cgutils.for_range(builder, args[4]) as loop:
-            at = builder.mul(loop.index, ir.Constant(loop.index.type, STEP))
-            codes = builder.load(builder.bitcast(builder.gep(src_p, [at]), v32b.as_pointer()), align=1)
-            words = builder.shl(builder.sext(codes, v32w), _splat(builder, v32w, 7))
-            words = builder.and_(words, _splat(builder, v32w, 0xBFFF))
-            values = builder.fmul(builder.fpext(builder.bitcast(words, v32h), v32f), _splat(builder, v32f, 256.0))
-            _store_bf16(builder, values, dst_p, builder.add(at, at))
-        return context.get_dummy_value()
-    return types.void(src, src_off, dst, dst_off, num_steps), codegen
-
-
-def _doubled_e2m1(builder, codes):
-    """<32 x i8> e2m1 codes 0..15 -> <32 x float> twice their values (m = code & 7: m for m < 2, else
-    (2 + (m & 1)) << ((m >> 1) - 1); bit 3 the sign)."""
-    v32i = ir.VectorType(I32, STEP)
-    code = builder.zext(codes, v32i)
-
-    def splat(v):
-        return _splat(builder, v32i, v)
-    m = builder.and_(code, splat(7))
-    normal = builder.shl(builder.or_(builder.and_(m, splat(1)), splat(2)), builder.sub(builder.lshr(m, splat(1)),
-                                                                                          splat(1)))
-    magnitude = builder.select(builder.icmp_unsigned("<", m, splat(2)), m, normal)
-    signed = builder.select(builder.icmp_unsigned(">=", code, splat(8)), builder.sub(splat(0), magnitude), magnitude)
-    return builder.sitofp(signed, ir.VectorType(F32, STEP))
-
-
-@intrinsic
-def _fp4_to_bf16(typingctx, src, src_off, dst, dst_off, factors, num_steps):
-    """dst (bytes from dst_off) = bf16 bits of 2 * e2m1 value x factors[j // 16] for the num_steps * 32 columns j
-    packed at src (bytes from src_off; even column in the low nibble), in column order; exact where the products
-    are normal bf16 (the callers' factors see to it)."""
-    def codegen(context, builder, sig, args):
-        v16b = ir.VectorType(I8, STEP // 2)
-        src_p = _ptr(context, builder, sig.args[0], args[0], args[1])
-        dst_p = _ptr(context, builder, sig.args[2], args[2], args[3])
-        fac_p = builder.bitcast(context.make_array(sig.args[4])(context, builder, args[4]).data, F32.as_pointer())
-        interleave = ir.Constant(ir.VectorType(I32, STEP), [j // 2 + (j % 2) * 16 for j in range(STEP)])
-        halves = ir.Constant(ir.VectorType(I32, STEP), [j // FP4_BLOCK for j in range(STEP)])
-        with cgutils.for_range(builder, args[5]) as loop:
-            at = builder.mul(loop.index, ir.Constant(loop.index.type, STEP // 2))
-            packed = builder.load(builder.bitcast(builder.gep(src_p, [at]), v16b.as_pointer()), align=1)
-            low = builder.and_(packed, _splat(builder, v16b, 15))
-            high = builder.lshr(packed, _splat(builder, v16b, 4))
-            doubled = _doubled_e2m1(builder, builder.shuffle_vector(low, high, interleave))
-            first = builder.add(loop.index, loop.index)
-            pair = ir.Constant(ir.VectorType(F32, 2), None)
-            for j in range(2):
-                index = builder.add(first, ir.Constant(first.type, j))
-                pair = builder.insert_element(pair, builder.load(builder.gep(fac_p, [index])), ir.Constant(I32, j))
-            factor = builder.shuffle_vector(pair, pair, halves)
-            _store_bf16(builder, builder.fmul(doubled, factor), dst_p, builder.mul(at, ir.Constant(at.type, 4)))
-        return context.get_dummy_value()
-    return types.void(src, src_off, dst, dst_off, factors, num_steps), codegen
+def _fp8_step(builder, src):
+    """<32 x float>: the values of the 32 e4m3 codes at src (i8*), exact (`_fp8_to_bf16`)."""
+    v32b, v32w = ir.VectorType(I8, STEP), ir.VectorType(I16, STEP)
+    v32h, v32f = ir.VectorType(ir.HalfType(), STEP), ir.VectorType(F32, STEP)
+    codes = builder.load(builder.bitcast(src, v32b.as_pointer()), align=1)
+    words = builder.shl(builder.sext(codes, v32w), _splat(builder, v32w, 7))
+    words = builder.and_(words, _splat(builder, v32w, 0xBFFF))
+    return builder.fmul(builder.fpext(builder.bitcast(words, v32h), v32f), _splat(builder, v32f, 256.0))
 
 
 # ---- a task's rows and their group scales ------------------------------------------------------------------------
 
 @njit(fastmath=True, cache=True)
 def _mx_foldable(s, e, r0, num_rows):
-    """Whether every E8M0 scale of rows r0.. of expert e folds into bf16 weights (module docstring)."""
-    for n in range(r0, r0 + num_rows):
-        for g in range(s.shape[2]):
-            v = np.int64(s[e, n, g])
-            if v < MX_FOLD_MIN or v > MX_FOLD_MAX:
-                return False
-    return True
+    """Whether every E8M0 scale of rows r0.. of expert e folds into bf16 weights (module docstring). Counted
+    without an early exit, so the loop vectorizes (a task's 16 gate and 16 up rows of DeepSeek-V3 hold 7168
+    scale bytes); below MX_FOLD_MIN the byte minus MX_FOLD_MIN wraps above the range."""
+    rows = s[e, r0:r0 + num_rows]  # [num_rows, G] uint8, contiguous
+    num_bad = 0
+    for n in range(num_rows):
+        for g in range(rows.shape[1]):
+            num_bad += np.uint8(rows[n, g] - np.uint8(MX_FOLD_MIN)) > np.uint8(MX_FOLD_MAX - MX_FOLD_MIN)
+    return num_bad == 0
 
 
 @njit(fastmath=True, cache=True)
@@ -228,54 +126,6 @@ def _task_groups(fmt, group, cols, is_folded):
     else:
         size = cols
     return size, -(-cols // size)
-
-
-@njit(fastmath=True, cache=True)
-def _fp4_factors(s, e, n, fmt, is_folded, out):
-    """out[b]: the factor of the doubled codes of columns 16 b .. 16 b + 15 of row n of expert e."""
-    for b in range(out.shape[0]):
-        if fmt == NVFP4:
-            out[b] = NV_HALF[np.int64(s[e, n, b])]
-        elif is_folded:
-            out[b] = MX_HALF[np.int64(s[e, n, b // 2])]
-        else:
-            out[b] = np.float32(0.5)
-
-
-@njit(fastmath=True, cache=True)
-def _convert_rows(fmt, w, s, ts, e, r0, num_rows, cols, is_folded, a, a_row0, rs, num_gs, factors):
-    """Rows r0 .. r0 + num_rows of expert e (`cols` columns) -> bf16 rows a_row0 .. of `a` (uint16, row length
-    cols); rs[(a_row0 + r) * num_gs + g] = the scale of their group g's sums."""
-    num_bytes = w.shape[2]
-    for r in range(num_rows):
-        n = r0 + r
-        src, dst, at = (e * w.shape[1] + n) * num_bytes, (a_row0 + r) * cols * 2, (a_row0 + r) * num_gs
-        if fmt == FP8:
-            _fp8_to_bf16(w, src, a, dst, cols // STEP)
-            for g in range(num_gs):
-                rs[at + g] = np.float32(s[e, n, g])
-            continue
-        _fp4_factors(s, e, n, fmt, is_folded, factors[:cols // FP4_BLOCK])
-        _fp4_to_bf16(w, src, a, dst, factors, cols // STEP)
-        if fmt == NVFP4:
-            rs[at] = ts[e]
-        elif is_folded:
-            rs[at] = np.float32(1.0)
-        else:
-            for g in range(num_gs):
-                rs[at + g] = MX_SCALE[np.int64(s[e, n, g])]
-
-
-@njit(fastmath=True, cache=True)
-def _scale_add(c, acc, num_b, rs, num_gs, g):
-    """acc += C with each tile row times its group-g scale: tiles alternate A0 (rows 0-15 of rs), A1 (16-31)."""
-    for t in range(2 * num_b):
-        base = t * TILE_ROWS * TILE_ROWS
-        for r in range(TILE_ROWS):
-            s = rs[(r + (t % 2) * TILE_ROWS) * num_gs + g]
-            at = base + r * TILE_ROWS
-            for col in range(TILE_ROWS):
-                acc[at + col] += c[at + col] * s
 
 
 @njit(fastmath=True, cache=True)
@@ -300,91 +150,11 @@ def _down_epilogue(acc, num_cols, p_first, h0, pair_token, pair_weight, out):
             o[h0 + r] += w * acc[at + r * TILE_ROWS]
 
 
-# ---- kernels -----------------------------------------------------------------------------------------------------
-# The tile calls sit in the kernels' own bodies, not in helpers: `replace_tiles` swaps the kernels' globals only.
-
-@njit(**FLAGS)
-def gate_up_bf16(cfg, fmt, gate, gate_s, gate_ts, up, up_s, up_ts, group, experts, offsets, col_offsets, x_v,
-                 scratch, row_scales, factors, epilogue, act):
-    """act[p, i] = bf16(silu(gate[e, i] . x) * (up[e, i] . x)) (uint16 bits) for every pair p of expert e; tasks
-    are (expert, 16 rows of I); per thread, `scratch` holds the task's gate and up rows in bf16, `row_scales` their
-    group scales, `factors` a row's FP4 factors."""
-    rows, hidden = gate.shape[1], gate.shape[2] * (1 if fmt == FP8 else 2)
-    num_rb = rows // TILE_ROWS
-    for task in prange(experts.shape[0] * num_rb):
-        u, rb = task // num_rb, task % num_rb
-        e, p0, m, r0 = experts[u], offsets[u], offsets[u + 1] - offsets[u], rb * TILE_ROWS
-        num_ct = (col_offsets[u + 1] - col_offsets[u]) // TILE_ROWS
-        tid = numba.get_thread_id()
-        a, rs, fb = scratch[tid], row_scales[tid], factors[tid]
-        is_folded = fmt == NVFP4 or (fmt == MXFP4 and _mx_foldable(gate_s, e, r0, TILE_ROWS)
-                                     and _mx_foldable(up_s, e, r0, TILE_ROWS))
-        size, num_gs = _task_groups(fmt, group, hidden, is_folded)
-        _convert_rows(fmt, gate, gate_s, gate_ts, e, r0, TILE_ROWS, hidden, is_folded, a, 0, rs, num_gs, fb)
-        _convert_rows(fmt, up, up_s, up_ts, e, r0, TILE_ROWS, hidden, is_folded, a, TILE_ROWS, rs, num_gs, fb)
-        c = np.empty(4 * TILE_ROWS * TILE_ROWS, dtype=np.float32)
-        acc = np.empty(4 * TILE_ROWS * TILE_ROWS, dtype=np.float32)
-        b_step = num_ct * TILE_ROWS * TILE_BYTES
-        _tile_begin(cfg)
-        for ct in range(0, num_ct, 2):
-            num_b = min(2, num_ct - ct)
-            b_off = 2 * hidden * col_offsets[u] + ct * TILE_ROWS * TILE_BYTES
-            acc[:] = 0
-            for g in range(num_gs):
-                k0 = g * size
-                num_k = min(size, hidden - k0) // STEP
-                _bf16_block(a, 2 * k0, a, 2 * (TILE_ROWS * hidden + k0), 2 * hidden, x_v, b_off + k0 // STEP * b_step,
-                            b_step, num_k, num_b, c)
-                _scale_add(c, acc, num_b, rs, num_gs, g)
-            _act_epilogue(acc, min(num_b * TILE_ROWS, m - ct * TILE_ROWS), p0 + ct * TILE_ROWS, e, r0, epilogue, act)
-        _tile_end()
-
-
-@njit(**FLAGS)
-def down_bf16(cfg, fmt, down, down_s, down_ts, group, experts, offsets, pair_token, pair_weight, col_offsets, a_v,
-              task_rows, scratch, row_scales, factors, out):
-    """out[t, h] += w * (down[e, h] . act) for every pair; tasks own `task_rows` rows of H across all experts (no
-    two threads write one element of `out`), converting 32 rows of an expert at a time."""
-    hidden, rows = down.shape[1], down.shape[2] * (1 if fmt == FP8 else 2)
-    for task in prange(-(-hidden // task_rows)):
-        tid = numba.get_thread_id()
-        a, rs, fb = scratch[tid], row_scales[tid], factors[tid]
-        c = np.empty(4 * TILE_ROWS * TILE_ROWS, dtype=np.float32)
-        acc = np.empty(4 * TILE_ROWS * TILE_ROWS, dtype=np.float32)
-        _tile_begin(cfg)
-        for u in range(experts.shape[0]):
-            e, p0, m = experts[u], offsets[u], offsets[u + 1] - offsets[u]
-            num_ct = (col_offsets[u + 1] - col_offsets[u]) // TILE_ROWS
-            b_step = num_ct * TILE_ROWS * TILE_BYTES
-            for h0 in range(task * task_rows, min(hidden, (task + 1) * task_rows), 2 * TILE_ROWS):
-                is_folded = fmt == NVFP4 or (fmt == MXFP4 and _mx_foldable(down_s, e, h0, 2 * TILE_ROWS))
-                size, num_gs = _task_groups(fmt, group, rows, is_folded)
-                _convert_rows(fmt, down, down_s, down_ts, e, h0, 2 * TILE_ROWS, rows, is_folded, a, 0, rs, num_gs, fb)
-                for ct in range(0, num_ct, 2):
-                    num_b = min(2, num_ct - ct)
-                    b_off = 2 * rows * col_offsets[u] + ct * TILE_ROWS * TILE_BYTES
-                    acc[:] = 0
-                    for g in range(num_gs):
-                        k0 = g * size
-                        _bf16_block(a, 2 * k0, a, 2 * (TILE_ROWS * rows + k0), 2 * rows, a_v,
-                                    b_off + k0 // STEP * b_step, b_step, min(size, rows - k0) // STEP, num_b, c)
-                        _scale_add(c, acc, num_b, rs, num_gs, g)
-                    _down_epilogue(acc, min(num_b * TILE_ROWS, m - ct * TILE_ROWS), p0 + ct * TILE_ROWS, h0,
-                                   pair_token, pair_weight, out)
-        _tile_end()
-
-
-def replace_tiles(kernel):
-    """`kernel` recompiled with the tile instructions replaced by `_bf16_block_reference` (no AMX needed)."""
-    env = {**kernel.py_func.__globals__, "_bf16_block": _bf16_block_reference, "_tile_begin": _no_tile_begin,
-           "_tile_end": _no_tile_end}
-    return njit(parallel=True, fastmath=True)(pytypes.FunctionType(kernel.py_func.__code__, env, kernel.__name__))
-
-
 def reference_kernels():
-    """(gate_up_bf16, down_bf16) with the tile instructions replaced by their plain-numba reference: conversion,
-    packing, group scaling and epilogues of this module, testable on any CPU."""
-    return replace_tiles(gate_up_bf16), replace_tiles(down_bf16)
+    """The launcher's kernels (`prefill_amx_float_chunked`) with the tile instructions replaced by their reference."""
+    from cpu_experts import prefill_amx_float_chunked  # built on this module's pieces: imported when first needed
+
+    return prefill_amx_float_chunked.reference_kernels()
 
 
 # ---- the launcher ------------------------------------------------------------------------------------------------
@@ -439,7 +209,15 @@ class FloatAmxPrefill:
         self.fmt = FORMATS[self.spec.dtype]
         self.ws = workspace
         self.cfg = tile_config()
-        self.gate_up, self.down = kernels or (gate_up_bf16, down_bf16)
+        if kernels is None:
+            # the tiles without the process's permission (requested by has_amx_bf16) are an illegal instruction
+            if not has_amx_bf16():
+                raise RuntimeError("FloatAmxPrefill's tile kernels need AMX-BF16 and the tile permission, which "
+                                   "this process lacks (has_amx_bf16() is False); pass kernels= to run others")
+            from cpu_experts import prefill_amx_float_chunked  # built on this module's pieces: imported here
+
+            kernels = prefill_amx_float_chunked.kernels()
+        self.gate_up, self.down = kernels
         self.ones = np.ones(self.spec.num_experts, dtype=np.float32)  # the tensor scale of the formats without
         self.epilogues = epilogues(layer)
 
@@ -455,14 +233,18 @@ class FloatAmxPrefill:
         col_offsets = np.zeros(len(r.experts) + 1, dtype=np.int64)
         np.cumsum(-(-np.diff(r.offsets) // COLUMN_TILE) * COLUMN_TILE, out=col_offsets[1:])
         num_cols = int(col_offsets[-1])
+        max_ct = int(np.diff(col_offsets).max(initial=0)) // TILE_ROWS
         x_bf16 = ws.tensor("x_bf16", x.shape, torch.bfloat16)
         x_bf16.copy_(torch.from_numpy(x))  # rounded to nearest even
         x_v = ws.array("x_v", (hidden // 2 * num_cols,), np.int32)
         pack_vnni(x_bf16.view(torch.int32).numpy(), r.pair_token, r.offsets, col_offsets, x_v)
         num_threads = numba.get_num_threads()
         width = max(hidden, *(p.size for p in self.layer.partitions))
-        scratch = ws.array("a_bf16", (num_threads, 2 * TILE_ROWS * width), np.uint16)
-        row_scales = ws.array("a_scales", (num_threads, 2 * TILE_ROWS * (width // STEP)), np.float32)
+        # per thread: a chunk and the passes' C tiles, in the room the first kernels' whole rows took (what ran on
+        # AMX; not tightened without a device run)
+        scratch = ws.array("a_bf16", (num_threads, 2 * TILE_ROWS * max(width, CHUNK)), np.uint16)
+        floats = max(2 * TILE_ROWS * (width // STEP), 2 * (-(-max_ct // 2)) * C_FLOATS + 2 * TILE_ROWS)
+        row_scales = ws.array("a_scales", (num_threads, floats), np.float32)
         factors = ws.array("a_factors", (num_threads, width // FP4_BLOCK), np.float32)
         task_rows = 2 * TILE_ROWS * -(-(hidden // (2 * TILE_ROWS)) // num_threads)  # one down task per thread
         pair_rows = np.arange(num_pairs, dtype=np.int64)

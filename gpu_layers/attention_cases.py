@@ -1,6 +1,6 @@
-"""The gate and benchmark cases of gpu_layers.attention (read through its gate_cases and bench_cases): every kernel
-config the launchers can select, and paged decode against PyTorch SDPA over a contiguous copy of the same KV plus
-paged prefill."""
+"""The gate and benchmark cases of gpu_layers.attention (read through attention_kernels.gate_cases and
+attention.bench_cases): every kernel config the launchers can select, and paged decode against PyTorch SDPA over a
+contiguous copy of the same KV plus paged prefill."""
 
 from __future__ import annotations
 

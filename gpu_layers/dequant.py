@@ -124,7 +124,7 @@ def dequantize_nibbles_kernel(
 
 
 def _checked_table(out: torch.Tensor | None, shape: tuple[int, ...], w: torch.Tensor, scales: torch.Tensor
-                 ) -> torch.Tensor:
+                   ) -> torch.Tensor:
     """The launchers' bf16 output [E, N, K] (allocated if None), checked: unit column stride, w's device."""
     if out is None:
         out = torch.empty(shape, dtype=torch.bfloat16, device=w.device)

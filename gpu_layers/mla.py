@@ -6,12 +6,13 @@ Dv = v_head_dim, R = kv_lora_rank):
   the rotated rope key kr (Dr), shared by all heads. w_kv_b [H * (Dn + Dv), R] is kv_b_proj.weight: per head Dn
   rows W_UK (c -> k_nope) then Dv rows W_UV (c -> v).
 - Decode, `mla_decode` (one new token per sequence, q [B, H, *]): weight absorption. Since
-  q_nope . (W_UK c) = (q_nope W_UK) . c, the query is moved into latent space once, q_latent [B, H, R]
-  (torch.bmm), and the kernel scores every head against the latents directly:
-  score = (q_latent . c + q_rope . kr) * scale, o_latent = softmax(score) @ c [B, H, R]; then
-  out = o_latent W_UV^T [B, H, Dv] (torch.bmm). The cache is read once per step (R + Dr values per token) for a
-  block of heads at a time instead of being expanded per head; with 128 heads that makes decode about as
-  compute-bound as memory-bound (some 240 flops per byte read).
+  q_nope . (W_UK c) = (q_nope W_UK) . c, the query is moved into latent space once, q_latent [H, B, R]
+  (`mla_absorb.absorb_query`), and the kernel scores every head against the latents directly:
+  score = (q_latent . c + q_rope . kr) * scale, o_latent = softmax(score) @ c [H, B, R]; then
+  out = o_latent W_UV^T [B, H, Dv] (`mla_absorb.absorb_output`, straight into out; torch.bmm and a copy where
+  those kernels do not take the tensors: a non-contiguous weight, a strided last dim). The cache is read once
+  per step (R + Dr values per token) for a block of heads at a time instead of being expanded per head; with 128
+  heads that makes decode about as compute-bound as memory-bound (some 240 flops per byte read).
   The context is split over `num_splits` programs per (sequence, head block) so that small batches still fill the
   GPU (flash decoding); each split writes a normalised partial and its log-sum-exp, and a reduce kernel merges
   them. Grids depend on shapes and host ints only, so decode can be captured in a CUDA graph.
@@ -42,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from gpu_layers import mla_absorb
 from gpu_layers.capability import GateCase, capability_of, num_sms, select
 
 LOG2E = 1.4426950408889634
@@ -384,8 +386,8 @@ def mla_decode(
         num_splits = default_num_splits(num_seqs, num_head_blocks, max_context, cfg.block_n, num_sms(q_nope.device))
     _require(1 <= num_splits <= MAX_SPLITS, f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
 
-    w_kv_b = w_kv_b.view(num_heads, nope_dim + v_head_dim, rank)
-    q_latent = torch.bmm(q_nope.transpose(0, 1), w_kv_b[:, :nope_dim])  # [H, B, R]: q_nope W_UK per head
+    use_kernels = mla_absorb.is_supported(w_kv_b, q_nope, out)
+    q_latent = absorb_query(q_nope, w_kv_b, nope_dim, v_head_dim, use_kernels)  # [H, B, R]
     o_part = torch.empty(num_seqs, num_heads, num_splits, rank, dtype=torch.float32, device=q_nope.device)
     lse_part = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q_nope.device)
     mla_decode_kernel[(num_seqs, num_head_blocks, num_splits)](
@@ -396,13 +398,32 @@ def mla_decode(
         BLOCK_N=cfg.block_n,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    o_latent = torch.empty_like(q_latent)  # [H, B, R], the layout the second bmm reads
+    o_latent = torch.empty_like(q_latent)  # [H, B, R], the layout the output absorption reads
     mla_decode_reduce_kernel[(num_seqs, num_heads)](
         o_part, lse_part, o_latent, num_heads, num_splits, o_latent.stride(1), o_latent.stride(0),
         R=rank, BLOCK_R=block_dim(rank), num_warps=REDUCE_WARPS,
     )
-    out.copy_(torch.bmm(o_latent, w_kv_b[:, nope_dim:].transpose(1, 2)).transpose(0, 1))  # o_latent W_UV^T
-    return out
+    return absorb_output(o_latent, w_kv_b, nope_dim, v_head_dim, out, use_kernels)
+
+
+def absorb_query(q_nope: torch.Tensor, w_kv_b: torch.Tensor, nope_dim: int, v_head_dim: int,
+                 use_kernels: bool) -> torch.Tensor:
+    """q_nope [N, H, Dn] -> q_latent = q_nope W_UK per head [H, N, R]: mla_absorb's kernel, or torch.bmm where
+    it does not take the tensors as given (a non-contiguous weight, a strided last dim; `mla_absorb.is_supported`)."""
+    if use_kernels:
+        return mla_absorb.absorb_query(q_nope, w_kv_b, nope_dim)
+    w_heads = w_kv_b.reshape(q_nope.shape[1], nope_dim + v_head_dim, w_kv_b.shape[1])  # [H, Dn + Dv, R]
+    return torch.bmm(q_nope.transpose(0, 1), w_heads[:, :nope_dim])
+
+
+def absorb_output(o_latent: torch.Tensor, w_kv_b: torch.Tensor, nope_dim: int, v_head_dim: int, out: torch.Tensor,
+                  use_kernels: bool) -> torch.Tensor:
+    """o_latent [H, N, R] -> out [N, H, Dv] = o_latent W_UV^T per head, written into out: mla_absorb's kernel
+    (straight into out's rows), or torch.bmm and a transposing copy where the kernel does not take the tensors."""
+    if use_kernels:
+        return mla_absorb.absorb_output(o_latent, w_kv_b, nope_dim, v_head_dim, out=out)
+    w_heads = w_kv_b.reshape(o_latent.shape[0], nope_dim + v_head_dim, w_kv_b.shape[1])  # [H, Dn + Dv, R]
+    return out.copy_(torch.bmm(o_latent, w_heads[:, nope_dim:].transpose(1, 2)).transpose(0, 1))
 
 
 def gather_latents(

@@ -6,11 +6,11 @@ Data flow (N rows, H heads, K selected entries per row; Dn, Dr, Dv, R as in mla.
   belongs to sequence row_seq[n], the row of block_tables that maps its positions to cache pages, and attends to
   the positions selected[n, :] of that sequence (any order, -1 = no token), shared by all its heads. The selection
   already carries the causal mask (the indexer sees only visible positions), so the kernel applies none.
-- Weight absorption, as mla_decode: q_latent = q_nope W_UK [H, N, R] (torch.bmm), then one kernel scores a block
-  of heads against the gathered latents, score = (q_latent . c + q_rope . kr) * scale, and accumulates
-  o_latent = softmax(score) @ c; out = o_latent W_UV^T [N, H, Dv] (torch.bmm). Each selected latent is read once
-  per head block; in prefill every token has its own selection, so expanding the latents per head, as
-  mla_prefill does for a shared context, would expand K latents per token instead of once.
+- Weight absorption, as mla_decode: q_latent = q_nope W_UK [H, N, R] (`mla_absorb`'s kernels, as there), then one
+  kernel scores a block of heads against the gathered latents, score = (q_latent . c + q_rope . kr) * scale, and
+  accumulates o_latent = softmax(score) @ c; out = o_latent W_UV^T [N, H, Dv], written into out. Each selected
+  latent is read once per head block; in prefill every token has its own selection, so expanding the latents per
+  head, as mla_prefill does for a shared context, would expand K latents per token instead of once.
 - Decode and prefill share the kernel: a program per (row, head block, split of the K entries). Small batches
   split the K entries (flash decoding) so that batch 1 still fills the GPU; each split writes a normalised
   partial and its log-sum-exp, merged by mla.py's reduce kernel. With one split (many rows) the kernel writes
@@ -19,10 +19,10 @@ Data flow (N rows, H heads, K selected entries per row; Dn, Dr, Dv, R as in mla.
 - A row whose selection is all -1 (a padded slot) yields zeros, never NaN: a tile of -1 entries before the row's
   first selected token keeps the running maximum at -inf, and the exponents are then taken against 0.
 
-Measured on an H100 (bf16, K = 2048, DeepSeek-V3.2's 128 heads, CUDA graph): 50 us at batch 1, about half of it
-the two absorption bmms (they read all of W_kv_b, 32 MiB) and 11 us the reduce (then one split a step, now 8);
-80 us at batch 8. Dense mla_decode over the whole context takes 1.3x as long at 8K tokens and 5x (batch 1) to 21x
-(batch 8) at 128K.
+Measured on an H100 (bf16, K = 2048, DeepSeek-V3.2's 128 heads, CUDA graph), before mla_absorb's kernels: 50 us
+at batch 1, about half of it the two absorption bmms (they read all of W_kv_b, 32 MiB) and 11 us the reduce (then
+one split a step, now 8); 80 us at batch 8. Dense mla_decode over the whole context takes 1.3x as long at 8K
+tokens and 5x (batch 1) to 21x (batch 8) at 128K.
 
 Entries must be below the sequence's length (the indexer's selection is); they are not checked on the device,
 which would need a sync.
@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu_layers import mla, mla_cases
+from gpu_layers import mla, mla_absorb, mla_cases
 from gpu_layers.capability import CAPABILITIES, GateCase, capability_of, num_sms, select
 from gpu_layers.mla import (
     LOG2E,
@@ -47,6 +47,8 @@ from gpu_layers.mla import (
     _check_out,
     _require,
     _tile_mask,
+    absorb_output,
+    absorb_query,
     block_dim,
     check_layer_inputs,
     mla_decode_reduce_kernel,
@@ -214,9 +216,9 @@ def mla_sparse(
         num_splits = default_num_splits(num_rows, num_head_blocks, num_selected, cfg.block_n, num_sms(device))
     _require(1 <= num_splits <= MAX_SPLITS, f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
 
-    w_kv_b = w_kv_b.view(num_heads, nope_dim + v_head_dim, rank)
-    q_latent = torch.bmm(q_nope.transpose(0, 1), w_kv_b[:, :nope_dim])  # [H, N, R]: q_nope W_UK per head
-    o_latent = torch.empty_like(q_latent)  # [H, N, R], the layout the second bmm reads
+    use_kernels = mla_absorb.is_supported(w_kv_b, q_nope, out)
+    q_latent = absorb_query(q_nope, w_kv_b, nope_dim, v_head_dim, use_kernels)  # [H, N, R]
+    o_latent = torch.empty_like(q_latent)  # [H, N, R], the layout the output absorption reads
     # One split writes o_latent itself; the partials' pointers are then unused (but typed as the gate compiled).
     partial_shape = (num_rows, num_heads, num_splits) if num_splits > 1 else (0, 0, 0)
     o_part = torch.empty(*partial_shape, rank, dtype=torch.float32, device=device)
@@ -235,8 +237,7 @@ def mla_sparse(
             o_part, lse_part, o_latent, num_heads, num_splits, o_latent.stride(1), o_latent.stride(0),
             R=rank, BLOCK_R=block_dim(rank), num_warps=REDUCE_WARPS,
         )
-    out.copy_(torch.bmm(o_latent, w_kv_b[:, nope_dim:].transpose(1, 2)).transpose(0, 1))  # o_latent W_UV^T
-    return out
+    return absorb_output(o_latent, w_kv_b, nope_dim, v_head_dim, out, use_kernels)
 
 
 # ---------------------------------------------------------------------------------------------------- gate, bench
@@ -282,8 +283,8 @@ def gate_cases() -> list[GateCase]:
 def bench_cases() -> list[tuple]:
     """Decode at batch {1, 8} x context {8K, 32K, 128K}, K = 2048 distinct random positions per row, at
     DeepSeek-V3.2's dims (128 heads) and GLM-5's (64 heads), bf16, pages of 64. Bytes: the selected latents
-    (K * (R + Dr) per row), q, out and the absorption weight W_UK / W_UV (read by the bmms, the larger share at
-    batch 1); flops: scores, p @ c and both bmms. Baseline: dense mla_decode over the whole context."""
+    (K * (R + Dr) per row), q, out and the absorption weight W_UK / W_UV (the larger share at batch 1); flops:
+    scores, p @ c and both absorptions. Baseline: dense mla_decode over the whole context."""
     device, dtype, page_size = torch.device("cuda"), torch.bfloat16, 64
     batches, contexts = (1, 8), (8192, 32768, 131072)
     rank, rope = DEEPSEEK_V3_2["rank"], DEEPSEEK_V3_2["rope_dim"]  # GLM-5's too: one cache serves both

@@ -21,7 +21,7 @@ import argparse
 import json
 import tempfile
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -36,6 +36,7 @@ from hybrid.engine import Engine, HostSeconds
 from hybrid.engine_config import EngineConfig
 from hybrid.layers.moe import SparseMoE
 from hybrid.llm import LLM
+from hybrid.prefill_split import measure_link
 from hybrid.rank_stats import cpu_seconds_by_rank
 from hybrid.routed_experts import RoutedExperts
 from hybrid.sampling import GuidedSpec, SamplingParams
@@ -130,6 +131,8 @@ def expert_bytes_per_step(llm: LLM, num_tokens: int) -> float:
     """Routed experts' bytes one step reads on the CPU: the expected distinct CPU-resident experts of `num_tokens`
     uniformly routed tokens (prefill: the bound is the read alone, a floor; its arithmetic is `hybrid-bench
     cpu-moe`'s). GPU-resident experts (`gpu_experts`) are not read by the CPU."""
+    if not llm.config.num_moe_layers:  # a dense model: nothing on the CPU
+        return 0.0
     num_experts, top_k = llm.config.moe.num_experts, llm.config.moe.top_k
     is_routed = 1 - (1 - top_k / num_experts) ** num_tokens  # chance that a given expert gets a token
     return sum(m.cpu_experts.op.layer.expert_bytes() * m.num_cpu_experts * is_routed
@@ -210,8 +213,9 @@ def _measure_decode(engine: Engine, llm: LLM, args, timer: CpuExpertsTimer) -> d
     prompts = [torch.randint(vocab, (args.context,)).tolist() for _ in range(args.batch)]
     runner = engine.runner.graphs
     replays = runner.num_replays if runner else 0
-    start = _graph_serving(engine)
+    start, swaps = _graph_serving(engine), _num_swaps(llm)
     seconds, step_seconds, tokens = _decode(engine, prompts, args.tokens + 1, timer)
+    swaps = _swaps_since(llm, swaps)  # the timed steps' (not the GPU-alone run's)
     rank_cpu = timer.rank_seconds
     waited, pool_s, pool_calls = (now - then for now, then in zip(_graph_serving(engine), start, strict=True))
     cpu, calls = timer.seconds + pool_s, timer.calls + pool_calls
@@ -223,7 +227,18 @@ def _measure_decode(engine: Engine, llm: LLM, args, timer: CpuExpertsTimer) -> d
     gpu_only_s = gpu_only_step_seconds(engine, llm, prompts, args.tokens + 1, timer)
     hot_s = hot_call_seconds(llm, engine, args.batch)
     return dict(seconds=seconds, step_seconds=step_seconds, cpu=cpu, tokens=tokens, calls=calls, hot_s=hot_s,
-                gpu_only_s=gpu_only_s, graph_steps=graph_steps, cpu_wait_s=cpu_wait_s, rank_cpu=rank_cpu)
+                gpu_only_s=gpu_only_s, graph_steps=graph_steps, cpu_wait_s=cpu_wait_s, rank_cpu=rank_cpu,
+                swaps=swaps)
+
+
+def _num_swaps(llm: LLM) -> int | None:
+    """Hot experts' swaps so far (None without hot experts)."""
+    return llm.hot_experts.num_swaps if llm.hot_experts is not None else None
+
+
+def _swaps_since(llm: LLM, before: int | None) -> int | None:
+    """Hot experts' swaps since `_num_swaps` read `before` (None without hot experts)."""
+    return None if before is None else _num_swaps(llm) - before
 
 
 def measure_guided(engine: Engine, llm: LLM, args, spec: GuidedSpec, timer: CpuExpertsTimer) -> dict:
@@ -271,23 +286,11 @@ def _read_bandwidth(engine: Engine) -> ReadBandwidth:
 def _measure_prefill(engine: Engine, llm: LLM, args, timer: CpuExpertsTimer) -> dict:
     engine.add_request(torch.randint(llm.config.vocab_size, (args.tokens,)).tolist(), max_tokens=1,
                        ignore_eos=True)
+    swaps = _num_swaps(llm)
     seconds, step_seconds = _time_steps(engine, timer)
     return dict(seconds=seconds, step_seconds=step_seconds, cpu=timer.seconds, tokens=args.tokens, calls=0,
-                hot_s=None, gpu_only_s=None, graph_steps=0, cpu_wait_s=None, rank_cpu=timer.rank_seconds)
-
-
-def link_bytes_per_s(device: str, nbytes: int = 256 << 20) -> float:
-    """Host-to-device copy rate from page-locked memory (the median of 5 copies)."""
-    host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
-    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    times = []
-    for _ in range(5):
-        torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        dev.copy_(host, non_blocking=True)
-        torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return nbytes / sorted(times)[2]
+                hot_s=None, gpu_only_s=None, graph_steps=0, cpu_wait_s=None, rank_cpu=timer.rank_seconds,
+                swaps=_swaps_since(llm, swaps))
 
 
 def streamed_bytes_per_step(llm: LLM, num_tokens: int) -> int | None:
@@ -309,6 +312,15 @@ def split_cpu_fraction(llm: LLM) -> float | None:
               if isinstance(m, RoutedExperts) and m.streamed is not None]
     total = sum(c[0] + c[1] for c in counts)
     return sum(c[0] for c in counts) / total if total else None
+
+
+def split_rates(llm: LLM) -> dict | None:
+    """The rates `--prefill-cpu-share auto` costs its splits from (`hybrid.prefill_split`, measured at start-up);
+    None for a fixed share or nothing streamed."""
+    if llm.engine_config.cpu_share is not None:
+        return None
+    streamed = [m.streamed for m in llm.model.modules() if isinstance(m, RoutedExperts) and m.streamed is not None]
+    return asdict(streamed[0].rates) if streamed else None
 
 
 def _warm_up(engine: Engine, llm: LLM, args, spec: GuidedSpec | None = None) -> None:
@@ -362,7 +374,7 @@ def run(args) -> dict:
     llm.close()
     routed_tokens = args.tokens if args.mode == "prefill" else args.batch
     streamed_bytes = streamed_bytes_per_step(llm, routed_tokens)
-    link_bw = link_bytes_per_s(config.device) if streamed_bytes is not None else None
+    link_bw = measure_link(config.device, 256 << 20) if streamed_bytes is not None else None
     steps, step_times = len(m["step_seconds"]), sorted(m["step_seconds"])
     step_s, cpu_s = m["seconds"] / max(steps, 1), m["cpu"] / max(steps, 1)
     gpu_only_s = m["gpu_only_s"]
@@ -379,7 +391,7 @@ def run(args) -> dict:
             "tensor_parallel_size": config.tensor_parallel_size,
             "cuda_graph": engine.runner.graphs is not None, "decode_pool": decode_pool_of(engine) is not None,
             "gpu_experts": llm.num_gpu_experts,
-            "hot_expert_swaps": llm.hot_experts.num_swaps if llm.hot_experts is not None else None,
+            "hot_expert_swaps": m["swaps"],  # in the timed steps
             "tokens_per_s": m["tokens"] / m["seconds"], "step_ms": step_s * 1e3, "steps": steps,
             "max_num_batched_tokens": engine.scheduler.max_num_batched_tokens,
             "max_prefill_tokens": engine.scheduler.max_prefill_tokens,
@@ -394,6 +406,7 @@ def run(args) -> dict:
             "deferral_kl": kl, "streamed_gb": None if streamed_bytes is None else streamed_bytes / 1e9,
             "link_gb_s": None if link_bw is None else link_bw / 1e9, "profile": profile_rows,
             "prefill_cpu_share": config.prefill_cpu_share, "split_cpu_fraction": split_cpu_fraction(llm),
+            "split_rates": split_rates(llm),
             "num_layers": llm.config.num_layers,
             # SMT siblings spin in the decode pool too: whether the host's CPUs are cores or threads of them
             "num_cpus": len(allowed_cpus()), "num_physical_cores": physical_cores(allowed_cpus()), **guided}
@@ -469,6 +482,11 @@ def main(argv: list[str], mode: str) -> int:
     if row["split_cpu_fraction"] is not None:
         print(f"prefill split ({row['prefill_cpu_share']}): {row['split_cpu_fraction']:.0%} of the routed "
               f"CPU-resident experts computed on the CPU, the rest streamed")
+    if row["split_rates"] is not None:
+        rates = row["split_rates"]
+        print("prefill split rates: CPU " + ", ".join(f"{at} tokens an expert {s * 1e6:.0f} us"
+                                                      for at, s in rates["cpu_expert_seconds"])
+              + f", {rates['cpu_token_seconds'] * 1e6:.2f} us a token; link {rates['link_bytes_per_s'] / 1e9:.1f} GB/s")
     if row["deferral_kl"] is not None:
         print(f"defer_experts {row['defer_experts']}: KL(exact || deferred) {row['deferral_kl']:.2e} nats/token")
     return 0

@@ -159,7 +159,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention: AttentionConfig
     rope: RopeConfig
-    moe: MoEConfig
+    moe: MoEConfig | None  # None: a dense model (no routed experts, every moe_layers entry False)
     moe_layers: tuple[bool, ...]  # per layer: routed experts (True) or dense MLP (False)
     eos_token_ids: tuple[int, ...] = ()
     fp8_block_size: tuple[int, int] | None = None  # checkpoint stores DeepSeek-style FP8 block-scaled weights

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 
+import numpy as np
 import torch
 
 from cpu_experts.decode_pool import DecodePool, supports
@@ -32,7 +33,7 @@ from cpu_experts.module import CpuExperts
 from cpu_experts.topology import allowed_cpus
 from hybrid.block_manager import blocks_needed
 from hybrid.cpu_handoff import GraphHandoff, StepMode
-from hybrid.forward_batch import ForwardBatch, StepInputs, padded
+from hybrid.forward_batch import ForwardBatch, StepInputs
 from hybrid.layers.moe import SparseMoE
 from hybrid.placement import NO_ROW_LIMIT
 from hybrid.routed_experts import RoutedExperts
@@ -190,9 +191,9 @@ class CudaGraphRunner:
         self.seq_lens[:size].copy_(torch.tensor(inputs.seq_lens + [1] * num_pad, dtype=torch.int32))
         for group, (slots, tables) in enumerate(zip(inputs.slot_mappings, inputs.block_tables, strict=True)):
             self.slot_mappings[group][:size].copy_(torch.tensor(slots + [-1] * num_pad))
-            width = self.block_tables[group].shape[1]
-            self.block_tables[group][:size].copy_(torch.tensor(padded(tables + [[]] * num_pad, width),
-                                                               dtype=torch.int32))
+            full = np.zeros((size, self.block_tables[group].shape[1]), dtype=np.int32)  # [bucket, max pages]
+            full[:num_seqs, :tables.shape[1]] = tables
+            self.block_tables[group][:size].copy_(torch.from_numpy(full))
         if self.has_recurrent_layers:
             self.state_slots[:size].copy_(torch.tensor(inputs.state_slots + [-1] * num_pad, dtype=torch.int32))
         if self.handoff is not None:

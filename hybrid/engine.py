@@ -49,7 +49,8 @@ class HostSeconds:
     reads from outside to tell a constrained step's cost apart (masks, the matchers' accepts) from the rest."""
 
     schedule: float = 0.0  # the scheduler and the state copies it queued
-    run: float = 0.0  # inputs prepared and the forward pass launched (graph replay) or run (eager)
+    run: float = 0.0  # inputs prepared and the forward pass launched (graph replay) or run (eager); hot experts'
+    # copies started meanwhile
     masks: float = 0.0  # grammar masks filled, while the device computes the logits
     sample: float = 0.0  # the batched draw, its wait for the logits included
     update: float = 0.0  # tokens appended, matchers advanced, detokenized, finished; the step's CPU side checked
@@ -168,19 +169,28 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def idle(self) -> None:
+        """What the engine does while it has nothing to run: the hot experts flip the swaps whose copies landed,
+        decide if steps ran since their last decision and start every decided copy (`HotExperts.at_idle`). A
+        server's loop calls it once each time its work runs out, before it waits for requests; bounded work, no
+        wait for the device."""
+        if self.llm.hot_experts is not None:
+            self.llm.hot_experts.at_idle()
+
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
         clock, start = self.host_seconds, time.perf_counter()
         chunks = self.scheduler.schedule()
         self.runner.copy_states(self.scheduler.take_state_copies())  # state snapshots restored on admission
-        hot = self.llm.hot_experts
         if not chunks:
-            if hot is not None:
-                hot.at_idle()  # experts move while no step runs
+            self.idle()  # experts move while no step runs
             return []
+        hot = self.llm.hot_experts
         launched = time.perf_counter()
         clock.schedule += launched - start
         logits = self.runner.execute_chunks(chunks)
+        if hot is not None:
+            hot.during_step()  # while the device runs the step: expert copies start (`hybrid.hot_experts`)
         clock.run += time.perf_counter() - launched
         outputs = self._update(chunks, logits)
         updated = time.perf_counter()

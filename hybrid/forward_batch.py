@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 
 from hybrid.block_manager import NULL_PAGE
@@ -48,7 +49,7 @@ class StepInputs:
 
     positions: list[int]
     slot_mappings: list[list[int]]  # per group, [T]
-    block_tables: list[list[list[int]]]  # per group, [B][pages], released pages as 0, rows ragged
+    block_tables: list[np.ndarray]  # per group, [B, max pages] int32, released pages and the padding as 0
     seq_lens: list[int]
     query_start_loc: list[int]
     state_slots: list[int] = field(default_factory=list)  # [B], -1 where a sequence has none
@@ -69,8 +70,7 @@ class StepInputs:
                 slots[group] += (slot(table, pos, block_size) for pos in range(seq.num_computed, end))
             starts.append(starts[-1] + seq.num_new)
             seq_lens.append(end)
-        # a released entry reads as page 0: in bounds, and the kernels never read a key before the window
-        tables = [[[max(page, 0) for page in seq.block_tables[group]] for seq in seqs] for group in range(num_groups)]
+        tables = [table_array([seq.block_tables[group] for seq in seqs]) for group in range(num_groups)]
         return cls(positions, slots, tables, seq_lens, starts, [seq.state_slot for seq in seqs],
                    [seq.num_computed > 0 for seq in seqs])
 
@@ -79,9 +79,14 @@ class StepInputs:
         return [b - a for a, b in zip(self.query_start_loc, self.query_start_loc[1:], strict=False)]
 
 
-def padded(rows: list[list[int]], width: int | None = None) -> list[list[int]]:
-    width = width if width is not None else max(len(row) for row in rows)
-    return [row + [0] * (width - len(row)) for row in rows]
+def table_array(tables: Sequence[list[int]]) -> np.ndarray:
+    """Ragged block tables -> [B, the longest's pages] int32, zero-padded. A released entry reads as page 0: in
+    bounds, and the kernels never read a key before the window. Rows are filled from the lists by numpy: a long
+    context's table (8192 pages at 128K) built per step in Python costs milliseconds."""
+    array = np.zeros((len(tables), max(map(len, tables), default=0)), dtype=np.int32)
+    for row, table in zip(array, tables, strict=True):
+        row[:len(table)] = table
+    return np.maximum(array, 0, out=array)
 
 
 @dataclass
@@ -149,7 +154,7 @@ class ForwardBatch:
         return cls(
             positions=ints(inputs.positions, torch.int64),
             slot_mappings=tuple(ints(s, torch.int64) for s in inputs.slot_mappings),
-            block_tables_by_group=tuple(ints(padded(t), torch.int32) for t in inputs.block_tables),
+            block_tables_by_group=tuple(torch.from_numpy(t).to(device) for t in inputs.block_tables),
             seq_lens=ints(inputs.seq_lens, torch.int32),
             query_start_loc=ints(inputs.query_start_loc, torch.int32),
             block_size=block_size,

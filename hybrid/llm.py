@@ -108,7 +108,11 @@ class LLM:
         # Placement, decided once: a converted directory's routed experts run on the CPU operator (some of them on
         # the GPU with gpu_experts), and so do a plain checkpoint's with expert_placement cpu (auto on CUDA), read
         # from it at load; otherwise they run through the PyTorch reference on the engine's device.
-        is_cpu_experts = read_manifest(Path(path)) is not None or cfg.is_cpu_placement
+        has_experts = self.config.num_moe_layers > 0
+        is_cpu_experts = has_experts and (read_manifest(Path(path)) is not None or cfg.is_cpu_placement)
+        if not has_experts:
+            log.info("%s has no routed experts: every layer runs on %s, none are placed on the CPU operator",
+                     self.config.architecture, cfg.device)
         tp = self.tp
         nodes, cpus, num_threads = self._cpu_threads(is_cpu_experts)
         moe = self.config.moe
@@ -131,9 +135,13 @@ class LLM:
             raise ConfigError(f"hot_experts_interval {cfg.hot_experts_interval} moves experts between the CPU and the "
                               f"GPU, and this model has no CPU experts (expert_placement {cfg.expert_placement}): "
                               "set hot_experts_interval 0")
-        if cfg.defer_experts >= self.config.moe.top_k:
-            raise ConfigError(f"defer_experts {cfg.defer_experts} must be below the model's top-k routing "
-                              f"({self.config.moe.top_k})")
+        top_k = moe.top_k if has_experts else 0
+        if cfg.defer_experts and cfg.defer_experts >= top_k:
+            raise ConfigError(f"defer_experts {cfg.defer_experts} must be below the model's top-k routing ({top_k}"
+                              f"{'' if has_experts else ': no routed experts'}); set defer_experts 0")
+        if cfg.record_routing and not has_experts:
+            raise ConfigError(f"record_routing: {self.config.architecture} has no routed experts to record; leave "
+                              "record_routing unset")
         backends = Backends.for_device(cfg.device, self.config, block_size, cfg.torch_dtype, cfg.kernels,
                                        make_experts, cfg.defer_experts)
         if cfg.tensor_parallel_size > 1:  # quantized dense weights are dequantized at load, then split
@@ -268,6 +276,8 @@ class LLM:
     def record_routing(self) -> RoutingRecorder:
         """Starts counting the experts each MoE layer routes to; `recorder.stats().write(path)` saves them for
         `routing_stats=` (GPU-resident experts) of a later run; with `record_routing=FILE`, `close()` does."""
+        if not self.config.num_moe_layers:
+            raise ConfigError(f"{self.config.architecture} has no routed experts: there is no routing to record")
         if self.routing_recorder is None:
             self.routing_recorder = RoutingRecorder(self.config.moe.num_experts)
             self.routing_recorder.attach(self.model)
@@ -374,7 +384,7 @@ class LLM:
                        prefill_cpu_share=cfg.cpu_share)
 
     def _measure_prefill_rates(self, streamed: list) -> None:
-        """The rates every streamed layer's split is balanced on (`hybrid.prefill_split`), measured once after
+        """The rates every streamed layer's split is costed from (`hybrid.prefill_split`), measured once after
         loading where the split is "auto": the link's, and the CPU operator's on the first streamed layer."""
         if not streamed or self.engine_config.cpu_share is not None:
             return

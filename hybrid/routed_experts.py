@@ -196,7 +196,7 @@ def cpu_experts_factory(layer_idx: int, config, handoff: CpuHandoff, placement: 
                         prefill_cpu_share: float | None = 0.0) -> RoutedExperts:
     """The CPU operator for the layer's experts, less those `placement` keeps on the GPUs (rank `rank`'s on its
     own); `min_streamed_tokens` > 0: eager steps of that many tokens stream the CPU experts' weights to `device`
-    instead (`hybrid.streaming`), but for `prefill_cpu_share` of them (None: balanced on the rates `LLM` measures,
+    instead (`hybrid.streaming`), but for `prefill_cpu_share` of them (None: chosen on the rates `LLM` measures,
     `hybrid.prefill_split`); `num_spare_slots`: free GPU slots that hot experts copy into (`hybrid.hot_experts`).
     The CPU operator is loaded later, with the rank's slice of I (every expert of it, resident or not)."""
     gpu_ids = placement.on_rank(layer_idx, rank) if placement is not None else ()

@@ -45,7 +45,7 @@ from gpu_layers.dequant import dequantize_fp4, dequantize_fp8, dequantize_int4, 
 from gpu_layers.fused_moe import Activation, fused_moe
 from gpu_layers.w8a8_moe import BLOCK_KS, quantize_rows, w8a8_moe
 from hybrid.engine_config import EngineConfig
-from hybrid.prefill_split import PrefillRates, flops_per_pair, plan_cpu_experts
+from hybrid.prefill_split import PrefillRates, flops_per_pair, may_split, plan_cpu_experts
 
 STREAMED_DTYPES = ("int8", "int4", "bf16", "fp8", "mxfp4", "nvfp4")
 # gpu_prefill_tokens="auto": stream a step's experts once each gets this many of its tokens on average. On the H200
@@ -152,17 +152,7 @@ class ExpertStream:
         views = self._views(slot, {role: a[:len(rows)] for role, a in arrays.items()})
         breaks = np.flatnonzero(np.diff(rows) != 1) + 1
         runs = [(int(run[0]), len(run)) for run in np.split(rows, breaks)]  # consecutive experts copy as one
-        stream = torch.cuda.stream(self._copy_stream) if self._is_cuda else contextlib.nullcontext()
-        with stream:
-            if self._is_cuda:
-                self._copy_stream.wait_event(self._freed[slot])
-            at = 0
-            for first, count in runs:
-                for role, view in views.items():
-                    view[at:at + count].copy_(torch.from_numpy(arrays[role][first:first + count]), non_blocking=True)
-                at += count
-            if self._is_cuda:
-                self._copied[slot].record(self._copy_stream)
+        self._copy_runs(slot, arrays, views, runs)
         if self._is_cuda:  # the compute's stream, outside the copy stream's context
             torch.cuda.current_stream(self.device).wait_event(self._copied[slot])
         self._slot_unit[slot] = -1  # holds part of a unit: a later `acquire` copies the whole one again
@@ -175,15 +165,26 @@ class ExpertStream:
     def _copy(self, index: int) -> None:
         slot = index % self.num_slots
         arrays = self.units[index].arrays()
+        num_rows = len(next(iter(arrays.values())))  # every role is [experts of the unit, ...]
+        self._copy_runs(slot, arrays, self._views(slot, arrays), [(0, num_rows)])
+        self._slot_unit[slot] = index
+
+    def _copy_runs(self, slot: int, arrays: dict[str, np.ndarray], views: dict[str, torch.Tensor],
+                   runs: list[tuple[int, int]]) -> None:
+        """Each run (first expert, count) of every role's array into the next rows of its slot view, on the copy
+        stream once the compute that read the slot's last unit is done; `_copied[slot]` marks the end."""
         stream = torch.cuda.stream(self._copy_stream) if self._is_cuda else contextlib.nullcontext()
         with stream:
             if self._is_cuda:
-                self._copy_stream.wait_event(self._freed[slot])  # the compute that read the slot's last unit
-            for role, device_view in self._views(slot, arrays).items():
-                device_view.copy_(torch.from_numpy(np.ascontiguousarray(arrays[role])), non_blocking=True)
+                self._copy_stream.wait_event(self._freed[slot])
+            at = 0
+            for first, count in runs:
+                for role, view in views.items():
+                    rows = np.ascontiguousarray(arrays[role][first:first + count])
+                    view[at:at + count].copy_(torch.from_numpy(rows), non_blocking=True)
+                at += count
             if self._is_cuda:
                 self._copied[slot].record(self._copy_stream)
-        self._slot_unit[slot] = index
 
     def _views(self, slot: int, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         """Device tensors shaped like `arrays` over the slot's buffers (grown to the largest unit on first use)."""
@@ -203,7 +204,7 @@ class StreamedPrefill:
     def __init__(self, cpu: CpuExperts, min_tokens: int, device: torch.device | str, cpu_share: float | None = 0.0,
                  rates: PrefillRates | None = None):
         """`cpu_share`: the fraction of a step's routed experts the CPU computes beside the streamed ones (None:
-        balanced on `rates`, `hybrid.prefill_split`; 0: all streamed)."""
+        chosen on `rates`, `hybrid.prefill_split`; 0: all streamed)."""
         self.cpu_experts = cpu
         self.min_tokens = min_tokens
         self.cpu_share = cpu_share
@@ -251,16 +252,21 @@ class StreamedPrefill:
     def split(self, topk_ids: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, np.ndarray | None]:
         """A streamed step's CPU-resident ids [T, K] (-1: elsewhere) -> (the CPU operator's ids or None, the streamed
         ids or None, the streamed experts or None: all of them through the ring). A share strictly between 0 and 1
-        or "auto" reads the step's per-expert token counts (one host sync a layer)."""
+        or "auto" reads the step's per-expert token counts (one host sync a layer), but "auto" streams as share 0
+        does, with no host sync, a step whose even routing would not split (`hybrid.prefill_split.may_split`)."""
         if self.cpu_share == 0:
             return None, topk_ids, None
         if self.cpu_share == 1:
             return topk_ids, None, None
         ids = topk_ids.long()
         layer = self.cpu_experts.op.layer
-        num_experts = layer.spec.num_experts
+        num_experts, num_tokens = layer.spec.num_experts, topk_ids.shape[0]
+        flops, expert_bytes = flops_per_pair(layer), layer.expert_bytes()
+        if self.cpu_share is None and not may_split(num_tokens, num_experts, topk_ids.shape[1], flops, expert_bytes,
+                                                    self.rates):
+            return None, topk_ids, None
         counts = torch.bincount(ids[ids >= 0], minlength=num_experts).cpu().numpy()
-        on_cpu = plan_cpu_experts(counts, flops_per_pair(layer), layer.expert_bytes(), self.rates, self.cpu_share)
+        on_cpu = plan_cpu_experts(counts, flops, expert_bytes, self.rates, self.cpu_share, num_tokens)
         streamed = np.setdiff1d(np.flatnonzero(counts), on_cpu)
         self.num_split_experts[0] += on_cpu.size
         self.num_split_experts[1] += streamed.size
@@ -331,15 +337,16 @@ class StreamedPrefill:
             return torch.cat([gate.view(torch.bfloat16), up.view(torch.bfloat16)], dim=1), down.view(torch.bfloat16)
         num_experts, inter, hidden_size = gate.shape[0], gate.shape[1], down.shape[1]
         gate_up = torch.empty(num_experts, 2 * inter, hidden_size, dtype=torch.bfloat16, device=gate.device)
-        _dequantize(arrays, "gate", spec, hidden_size, gate_up[:, :inter])
-        _dequantize(arrays, "up", spec, hidden_size, gate_up[:, inter:])
-        return gate_up, _dequantize(arrays, "down", spec, inter)
+        dequantize_projection(arrays, "gate", spec, hidden_size, gate_up[:, :inter])
+        dequantize_projection(arrays, "up", spec, hidden_size, gate_up[:, inter:])
+        return gate_up, dequantize_projection(arrays, "down", spec, inter)
 
 
-def _dequantize(arrays: dict[str, torch.Tensor], role: str, spec: ExpertLayerSpec, num_cols: int,
-                out: torch.Tensor | None = None) -> torch.Tensor:
-    """One projection of a unit, K = `num_cols` (gate and up: H, down: the partition's Ip), -> bf16 [c, N, K]:
-    each stored weight dequantized as the format's reference does, rounded once to bf16."""
+def dequantize_projection(arrays: dict[str, torch.Tensor], role: str, spec: ExpertLayerSpec, num_cols: int,
+                          out: torch.Tensor | None = None) -> torch.Tensor:
+    """One projection of a unit (or of one partition of an expert: `hybrid.hot_experts`), K = `num_cols` (gate and
+    up: H, down: the partition's Ip), -> bf16 [c, N, K]: each stored weight dequantized as the format's reference
+    does, rounded once to bf16 (a quantized format: bf16 experts are their own tables)."""
     w, scales = arrays[role], arrays[f"{role}_scales"]
     if spec.dtype == "int8":
         return dequantize_int8(w, scales, out)

@@ -3,7 +3,9 @@ they `submit` a `GenerateJob` (or `cancel` one) into this thread's queue, and ge
 events back through the job's `sink`, which the handler points at its asyncio queue (through
 `loop.call_soon_threadsafe`).
 
-The thread runs commands, then one `engine.step()` while there is work, and sleeps on the queue when there is none.
+The thread runs commands, then one `engine.step()` while there is work, and sleeps on the queue when there is none;
+each time the work runs out and no command is queued, it first calls `engine.idle()` once (the hot experts move
+while no step runs), so an idle server does that work once and then holds no CPU.
 Per request it detokenizes the new tokens (`hybrid.detokenizer`) and checks stop strings; a stop string ends the
 request in the engine at once (`engine.finish`), which frees its KV pages. Without a tokenizer
 (`--skip-tokenizer-init`) outputs carry token ids and empty text, and stop strings are refused. Every request
@@ -127,9 +129,9 @@ class StatsLogger:
 
 class EngineLoop:
     def __init__(self, engine, tokenizer, max_model_len: int, stats_log_interval: float = 0.0):
-        """`engine`: a `hybrid.engine.Engine` (or anything with its add_request/step/finish/cancel/stats/has_work,
-        `requests`, `device` and `llm`, None for a stand-in without a model); `tokenizer` decodes its tokens (None:
-        outputs carry token ids only); `stats_log_interval`: seconds between `StatsLogger` lines (0: none)."""
+        """`engine`: a `hybrid.engine.Engine` (or anything with its add_request/step/finish/cancel/stats/has_work/
+        idle, `requests`, `device` and `llm`, None for a stand-in without a model); `tokenizer` decodes its tokens
+        (None: outputs carry token ids only); `stats_log_interval`: seconds between `StatsLogger` lines (0: none)."""
         self.engine = engine
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -137,6 +139,7 @@ class EngineLoop:
         self._inbox: queue.Queue = queue.Queue()
         self._active: dict[int, _Active] = {}
         self._stats: EngineStats = engine.stats()
+        self._has_idled = True  # engine.idle() ran since the last step (a new engine has nothing to catch up on)
         self._thread = threading.Thread(target=self._run, name="hybrid-engine-loop", daemon=True)
 
     # --- called from other threads ------------------------------------------------------------------------------
@@ -181,6 +184,10 @@ class EngineLoop:
                     return
                 if self.engine.has_work():
                     self._step()
+                    self._has_idled = False
+                if not self._has_idled and self._inbox.empty() and not self.engine.has_work():
+                    self._has_idled = True  # once per idle stretch, even if it fails
+                    self.engine.idle()  # the work ran out: now, before the next iteration sleeps on the queue
                 self._stats = self.engine.stats()
                 self._stats_log.maybe_log(self._stats)
             except Exception:  # the loop must outlive any one failure; the requests concerned were told

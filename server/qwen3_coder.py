@@ -40,7 +40,8 @@ class Qwen3CoderToolParser(ToolCallParser):
     tags = ("<tool_call>", "</tool_call>")
     is_streaming = True
     # Their checkpoints write this format; a template that shows Hermes' JSON calls still wins (`matches`).
-    architectures = ("Qwen3NextForCausalLM", "Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM")
+    architectures = ("Qwen3NextForCausalLM", "Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM",
+                     "Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM")
 
     def __init__(self, forced_prefix: str = "", tools: list[dict] | None = None):
         self._parameters = parameter_schemas(tools)

@@ -95,7 +95,8 @@ class ScriptedRequest:
 class ScriptedEngine:
     """`Engine`'s interface; every request emits `script` (then stops at its last token or max_tokens).
     `gate` blocks `step` while cleared; `fail_steps` makes that many steps raise; `step_seconds` paces the steps;
-    `max_num_seqs` requests run at once, in the order they came, the others wait (emit nothing)."""
+    `max_num_seqs` requests run at once, in the order they came, the others wait (emit nothing); `idle_calls`
+    records each `idle()` call."""
 
     device = "cpu"
     llm = None  # no model: no per-rank metrics
@@ -111,6 +112,7 @@ class ScriptedEngine:
         self.gate = threading.Event()
         self.gate.set()
         self.fail_steps = 0
+        self.idle_calls: list[bool] = []  # one entry per `idle()` call
         self.logprobs: tuple[float, tuple[tuple[int, float], ...]] | None = None  # (logprob, top) of every token
         self._next_id = 0
         # grammars compile as with the real engine (an invalid one is the server's 400); the script ignores them
@@ -132,6 +134,9 @@ class ScriptedEngine:
 
     def has_work(self) -> bool:
         return bool(self._live())
+
+    def idle(self) -> None:
+        self.idle_calls.append(bool(self._live()))  # whether requests were still running (never, if all is well)
 
     def step(self) -> list[StepOutput]:
         self.gate.wait()

@@ -153,7 +153,7 @@ def test_engine_benchmarks_run_on_a_converted_model(tmp_path, capsys):
                      "--tokens", tokens, "--json"]) == 0
         row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         assert row["mode"] == mode and row["tokens_per_s"] > 0 and row["of_bound"] > 0
-        assert row["split_cpu_fraction"] is None  # nothing streams off CUDA
+        assert row["split_cpu_fraction"] is None and row["split_rates"] is None  # nothing streams off CUDA
         # on the CPU nothing overlaps the experts: the bound adds the rest of the step to the experts' reads
         assert 0 < row["physical_bound_ms"] < row["bound_ms"], row
         assert row["of_physical_bound"] == pytest.approx(row["physical_bound_ms"] / row["step_ms"])

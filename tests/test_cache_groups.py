@@ -11,10 +11,19 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
+from cache_groups_support import (
+    BLOCK,
+    batched_outputs,
+    make_llm,
+    pages_in_use,
+    poison_free_windowed_pages,
+    preempted_outputs,
+    prefix_hit,
+    solo_outputs,
+)
 from checkpoints import prompt
 
 from hybrid.block_manager import NULL_PAGE, CacheGroupBlocks, blocks_needed
@@ -22,7 +31,7 @@ from hybrid.cache_groups import CacheGroup, ceil_div, derive_cache_groups, windo
 from hybrid.sampling import SamplingParams
 from hybrid.scheduler import Request, Scheduler
 
-WINDOW, BLOCK = 12, 4
+WINDOW = 12
 
 
 def fake_layer(kv_heads: int, qk_dim: int, v_dim: int, window: int | None):
@@ -138,12 +147,6 @@ def gpt_oss_path(tmp_path_factory):
     return path
 
 
-def make_llm(path, **options):
-    from hybrid import LLM
-
-    return LLM(path, dtype="float32", expert_placement="device", block_size=BLOCK, **options)
-
-
 @pytest.fixture(scope="module")
 def llm(gpt_oss_path):
     return make_llm(gpt_oss_path, max_model_len=256)
@@ -155,23 +158,7 @@ MAX_TOKENS = [14, 9, 5, 12, 7, 20]
 
 @pytest.fixture(scope="module")
 def solo(llm):
-    return [llm.generate(p, m, ignore_eos=True) for p, m in zip(PROMPTS, MAX_TOKENS, strict=True)]
-
-
-def windowed_group(llm) -> int:
-    return next(i for i, g in enumerate(llm.blocks.groups) if g.is_windowed)
-
-
-def poison_free_windowed_pages(llm) -> None:
-    """NaN into every windowed page nobody holds (page 0 included when free: released entries point there)."""
-    import torch
-
-    group = windowed_group(llm)
-    free = torch.tensor(list(llm.blocks.allocators[group]._free), dtype=torch.long)
-    for layer in llm.model.attention_layers():
-        if layer.cache_group == group:
-            for part in layer.kv_cache:
-                part[free] = float("nan")
+    return solo_outputs(llm, PROMPTS, MAX_TOKENS)
 
 
 def test_gpt_oss_groups(llm):
@@ -181,92 +168,55 @@ def test_gpt_oss_groups(llm):
     assert all(layers[i].cache_group == 1 for i in llm.blocks.groups[1].layer_indices)
 
 
-def test_continuous_batching_and_chunked_prefill_match_solo(gpt_oss_path, solo):
+@pytest.fixture(scope="module")
+def uncached(gpt_oss_path):
+    return make_llm(gpt_oss_path, max_model_len=256, enable_prefix_caching=False)
+
+
+def test_continuous_batching_and_chunked_prefill_match_solo(uncached, solo):
     """Chunks of a 10-token budget cross pages and windows beside other requests' decodes; each request gets its
     solo tokens although the windowed pages it released are poisoned after every step (no prefix cache here:
     a cached page may be read again)."""
-    from hybrid.engine import Engine
-
-    llm = make_llm(gpt_oss_path, max_model_len=256, enable_prefix_caching=False)
-    engine = Engine(llm, max_num_batched_tokens=10, max_num_seqs=4)
-    ids = [engine.add_request(p, max_tokens=m, ignore_eos=True) for p, m in zip(PROMPTS, MAX_TOKENS, strict=True)]
-    mixed = 0
-    while engine.has_work():
-        mixed += len(engine.step()) > 1
-        poison_free_windowed_pages(llm)
-    assert mixed > 0
-    assert [engine.requests[i].output_ids for i in ids] == solo
-    assert llm.blocks.num_free == llm.blocks.num_blocks
-    engine.close()
+    outputs, num_mixed = batched_outputs(uncached, PROMPTS, MAX_TOKENS, max_num_batched_tokens=10, max_num_seqs=4)
+    assert num_mixed > 0
+    assert outputs == solo
 
 
-def test_prefix_cache_hit_gives_identical_output(llm, solo):
-    from hybrid.engine import Engine
-
-    engine = Engine(llm, max_num_batched_tokens=16)
+def test_prefix_cache_hit_gives_identical_output(llm, uncached):
     conversation = PROMPTS[4]  # 40 tokens: 10 pages; decoding releases the windowed group's early pages
-    engine.generate([conversation], max_tokens=MAX_TOKENS[4], ignore_eos=True)
-    resent = conversation[:40] + [7, 9, 11]
-    request_id = engine.add_request(resent, max_tokens=6, ignore_eos=True)
-    while engine.has_work():
-        engine.step()
-    request = engine.requests[request_id]
+    request, alone = prefix_hit(llm, uncached, conversation, MAX_TOKENS[4], [7, 9, 11], 6)
     assert request.num_cached == 40
-    engine.close()
-    assert request.output_ids == llm.generate(resent, 6, ignore_eos=True)
+    assert request.output_ids == alone
 
 
 def test_preemption_and_resume_are_exact(gpt_oss_path, solo):
     """Pools of 16 full and 6 windowed pages cannot hold the requests together: some are preempted and computed
     again, chunks shrink to the windowed pool, and every request still gets its solo tokens."""
-    from hybrid.engine import Engine
-
     llm = make_llm(gpt_oss_path, max_model_len=256)
-    engine = Engine(llm, max_num_batched_tokens=32, max_num_seqs=4)
-    sizes = {None: 16, WINDOW: 6}
-    groups = [replace(g, num_blocks=sizes[g.sliding_window]) for g in llm.blocks.groups]
-    engine.blocks = engine.scheduler.blocks = CacheGroupBlocks(groups, BLOCK, enable_prefix_caching=False)
-    preempted = []
-    preempt = engine.scheduler.preempt
-    engine.scheduler.preempt = lambda r: preempted.append(r.request_id) or preempt(r)
     chosen = [0, 1, 3, 4]  # up to 40 + 7 tokens: 12 full pages
-    ids = [engine.add_request(PROMPTS[i], max_tokens=MAX_TOKENS[i], ignore_eos=True) for i in chosen]
-    while engine.has_work():
-        engine.step()
+    outputs, preempted = preempted_outputs(llm, [PROMPTS[i] for i in chosen], [MAX_TOKENS[i] for i in chosen],
+                                           {None: 16, WINDOW: 6})
     assert preempted
-    assert [engine.requests[i].output_ids for i in ids] == [solo[i] for i in chosen]
-    assert engine.blocks.num_free == engine.blocks.num_blocks
+    assert outputs == [solo[i] for i in chosen]
 
 
 def test_long_request_keeps_only_its_window(gpt_oss_path):
-    """A 4K-token gpt-oss request, measured: the windowed group holds at most the window's pages plus the step's
-    chunk while the full group grows with the context, so its KV costs full-attention memory on the full layers
-    only."""
-    from hybrid.engine import Engine
+    """A 4K-token gpt-oss request, measured: the windowed group holds exactly the pages from the window of each
+    step's first token to its last token (at most the window's pages plus the step's chunk) while the full group
+    grows with the context, so its KV costs full-attention memory on the full layers only."""
     from hybrid.kv_cache import page_bytes
 
     llm = make_llm(gpt_oss_path, max_model_len=4096, max_num_seqs=1, max_num_batched_tokens=512)
     windowed, full = llm.blocks.groups
     assert windowed.num_blocks == windowed_blocks(WINDOW, BLOCK, 1, 512) < full.num_blocks
-    engine = Engine(llm)
-    request_id = engine.add_request(prompt(4000, seed=4), max_tokens=6, ignore_eos=True)
-    used = []
-    while engine.has_work():
-        before = engine.requests[request_id].num_computed
-        engine.step()
-        request = engine.requests[request_id]
-        if not request.is_finished:
-            chunk = request.num_computed - before
-            assert blocks_needed(request.num_computed, BLOCK) == llm.blocks.num_used(1)
-            assert llm.blocks.num_used(0) <= ceil_div(WINDOW - 1, BLOCK) + 1 + ceil_div(chunk, BLOCK)
-            used.append((llm.blocks.num_used(0), llm.blocks.num_used(1)))
-    assert max(u[0] for u in used) <= ceil_div(WINDOW - 1, BLOCK) + 1 + 512 // BLOCK  # prefill: window + chunk
-    assert used[-1][0] <= ceil_div(WINDOW - 1, BLOCK) + 2  # decoding: the window and the new token's page
-    assert used[-1][1] >= blocks_needed(4004, BLOCK)
-    window_bytes = used[-1][0] * page_bytes(windowed, BLOCK, llm.engine_config.torch_dtype)
-    full_bytes = used[-1][1] * page_bytes(full, BLOCK, llm.engine_config.torch_dtype)
+    used = pages_in_use(llm, prompt(4000, seed=4), 6)
+    assert all(num_full == blocks_needed(num_computed, BLOCK) for num_computed, _, num_full in used)
+    assert max(u[1] for u in used) <= ceil_div(WINDOW - 1, BLOCK) + 1 + 512 // BLOCK  # prefill: window + chunk
+    assert used[-1][1] <= ceil_div(WINDOW - 1, BLOCK) + 1  # decoding: the window's pages
+    assert used[-1][2] >= blocks_needed(4004, BLOCK)
+    window_bytes = used[-1][1] * page_bytes(windowed, BLOCK, llm.engine_config.torch_dtype)
+    full_bytes = used[-1][2] * page_bytes(full, BLOCK, llm.engine_config.torch_dtype)
     assert window_bytes * 100 < full_bytes  # 3 windowed layers over ~16 tokens, 2 full ones over 4004
-    assert llm.blocks.num_free == llm.blocks.num_blocks
 
 
 def test_llm_and_engine_share_one_allocator_and_one_step_path(gpt_oss_path, monkeypatch):

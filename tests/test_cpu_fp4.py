@@ -6,7 +6,8 @@ range with zeros (2^-127) among them, e4m3 block scales with subnormals, zero an
 H = 80, I = 96 (whole and partial 16-byte chunks, an NVFP4 group alone in a row's tail) and H = 33, I = 45 (a half
 byte at the end of every gate row, an odd partition whose last byte pairs with no act column); 1 and 3 partitions;
 1, 3, 17 and 300 tokens, top-k 1, 2 and 8, -1 ids. E8M0's extreme scales (0 and 254, each with activations that
-keep the row's dot a normal float), under a flush-to-zero mode too, on single rows.
+keep the row's dot a normal float), under a flush-to-zero mode too, on single rows; and through the operator
+(decode, dequantizing prefill) in a layer read as DeepSeek-V4 stores it (`tests/stored_experts.py`).
 
 Tolerance: float32 summation order, 1e-5 of the largest output, plus, where the reference's act = silu(gate) * up
 lies within summation error of a bf16 rounding boundary, the one bf16 step it may round the other way
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import stored_experts
 import torch
 import torch.nn.functional as F
 from numba import njit
@@ -194,6 +196,35 @@ def test_e8m0_extremes_on_single_rows():
                 torch.set_flush_denormal(False)
             assert 1e-30 < magnitude < 1e30 and abs(got - want) <= 1e-6 * magnitude, \
                 f"scales {scale_bits[:4].tolist()}.., flush to zero {flush}: {got} vs {want}"
+
+
+@pytest.fixture(scope="module")
+def extreme_layer():
+    return stored_experts.extreme_mxfp4_layer(EXTREME_H, EXTREME_I)
+
+
+EXTREME_H, EXTREME_I = 256, 192
+EXTREME_CASES = [(1, 1), (3, 2), (17, 8), (300, 2)]  # 300 at top-2: the small class's subnormal weights are slow
+
+
+@pytest.mark.parametrize("partitions", [1, 3])
+def test_e8m0_extremes_through_the_operator(extreme_layer, partitions):
+    """E8M0 scales 254 (2^127, on codes up to 1.5: finite) and 0 (2^-127) beside 250-253 and 1-4 in every row, read
+    as DeepSeek-V4 stores MXFP4 experts, in three classes of experts each with tokens sized for it
+    (`stored_experts`), through `CpuMoE` on the decode and the dequantizing prefill paths: exact (README: e2m1 value
+    x 2^(E8M0 - 127)), each token compared on its own scale."""
+    tensors, spec, (gate, up, down) = extreme_layer
+    layer = PackedLayer.from_file_tensors(tensors, spec, partitions)
+    assert len(layer.partitions) == partitions
+    decode, prefill = CpuMoE(layer, prefill_min_tokens=10**9), CpuMoE(layer, prefill_min_tokens=1)
+    for seed, (num_tokens, top_k) in enumerate(EXTREME_CASES):
+        x, ids, w = stored_experts.class_tokens(num_tokens, EXTREME_H, top_k, seed)
+        want = moe_reference(x, gate, up, down, ids, w, bf16_activations=True)
+        assert bool(torch.isfinite(want).all())
+        scale = stored_experts.per_token_scale(want)
+        slack = rounding_slack(x, gate, up, down, ids, w) * scale
+        for op, path in ((decode, "decode"), (prefill, "prefill")):
+            check(op(x, ids, w).double() * scale, want.double() * scale, slack, f"{path} T={num_tokens} K={top_k}")
 
 
 def test_nvfp4_block_scales_on_single_rows():

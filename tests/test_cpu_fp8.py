@@ -4,7 +4,10 @@ activations (`moe_reference(..., bf16_activations=True)`), on both paths of `Cpu
 Awkward cases: 1, 3, 17 and 300 tokens (300 on the prefill path), top-k 1, 2 and 8, -1 ids; H = 80 (a last half
 group of 32) and I = 96 in 1 or 3 partitions; weights holding every e4m3 code but NaN, or only the subnormals and
 zeros, with group scales from 2^-68 to 2^64; every code decoded exactly one at a time, also with the calling
-thread flushing denormals (the decoding must not rely on denormal arithmetic).
+thread flushing denormals (the decoding must not rely on denormal arithmetic). Layers read as checkpoints store
+them (`tests/stored_experts.py`): odd H and I (33 x 45 in groups of 32; 200 x 301 and 72 x 136 in 128 x 128 blocks,
+DeepSeek's float32 `weight_scale_inv` and DeepSeek-V4's E8M0 `.scale`, partial last blocks), and E8M0 blocks at 254
+(2^127) and 0 (2^-127).
 
 Tolerance: float32 summation order (REL_TOL of the output's largest element), plus, per output element, what
 rounding act = silu(gate) * up to bf16 can add: an element of act within float32 error of a bf16 rounding midpoint
@@ -18,10 +21,11 @@ import math
 
 import numpy as np
 import pytest
+import stored_experts
 import torch
 
 from cpu_experts import bench, formats, kernels_fp8, prefill
-from cpu_experts.expert_file import ExpertLayerSpec, dequantize_matrix, quantize_matrix
+from cpu_experts.expert_file import ROLES, ExpertLayerSpec, dequantize_matrix, quantize_matrix
 from cpu_experts.operator import CpuMoE
 from cpu_experts.packed import PackedLayer
 from cpu_experts.reference import moe_reference
@@ -31,7 +35,6 @@ REL_TOL = 1e-5
 # float32 steps of sum |w x| that a gate or up sum of H = 80 terms may be off by, in `act_flip_bound`: the kernels and
 # torch measured at most 1.2 on these weights (one pass over 20 tokens x every row)
 SUM_ERR = 4
-ROLES = ("gate", "up", "down")
 EVERY_CODE = torch.cat([torch.arange(0x00, 0x7F), torch.arange(0x80, 0xFF)]).to(torch.uint8)  # all but the NaNs
 SUBNORMAL_CODES = torch.cat([torch.arange(0x00, 0x08), torch.arange(0x80, 0x88)]).to(torch.uint8)
 
@@ -93,19 +96,20 @@ def act_flip_bound(x, gate, up, down, ids, weights) -> torch.Tensor:
     xb = x.bfloat16().double()
     eps = 2.0 ** -24
     bound = torch.zeros(x.shape, dtype=torch.float64)
-    for k in range(ids.shape[1]):
-        e = ids[:, k].clamp(min=0)
-        wg, wu, wd = gate[e].double(), up[e].double(), down[e].double()  # [T, I, H], [T, I, H], [T, H, I]
-        g, v = torch.einsum("tih,th->ti", wg, xb), torch.einsum("tih,th->ti", wu, xb)
-        g_err = SUM_ERR * eps * torch.einsum("tih,th->ti", wg.abs(), xb.abs())
-        v_err = SUM_ERR * eps * torch.einsum("tih,th->ti", wu.abs(), xb.abs())
+    for expert in torch.unique(ids[ids >= 0]).tolist():  # each expert's pairs at once (gathering per slot was slow)
+        tok, k = torch.where(ids == expert)
+        rows = xb[tok]
+        wg, wu, wd = gate[expert].double(), up[expert].double(), down[expert].double()  # [I, H], [I, H], [H, I]
+        g, v = rows @ wg.T, rows @ wu.T  # [pairs, I]
+        g_err = SUM_ERR * eps * (rows.abs() @ wg.abs().T)
+        v_err = SUM_ERR * eps * (rows.abs() @ wu.abs().T)
         silu = g * torch.sigmoid(g)
         act = silu * v
         err = 1.1 * g_err * v.abs() + silu.abs() * v_err + 8 * eps * act.abs()  # |silu'| < 1.1
         step = 2.0 ** (torch.floor(torch.log2(act.abs().clamp(min=1e-300))) - 7)  # bf16's spacing at act
         to_midpoint = ((act / step) - torch.floor(act / step) - 0.5).abs() * step
-        flips = (to_midpoint <= err) & (ids[:, k, None] >= 0)
-        bound += weights[:, k, None].double() * torch.einsum("ti,thi->th", flips * step, wd.abs())
+        flips = to_midpoint <= err
+        bound.index_add_(0, tok, weights[tok, k, None].double() * ((flips * step) @ wd.abs().T))
     return bound
 
 
@@ -259,6 +263,88 @@ def test_bfloat16_hidden_computes_in_float32(quantized):
         got = op(x, ids, w)
         assert got.dtype == torch.bfloat16
         assert torch.equal(got, op(x.float(), ids, w).bfloat16())
+
+
+# ---- odd shapes and E8M0 extremes, read as checkpoints store them (`tests/stored_experts.py`) ---------------------
+
+ODD_SHAPES = {  # name: (H, I, group, how stored)
+    "file-33x45": (33, 45, 32, None),  # the expert file's layout: a last group of 1 column (H) and 13 (I)
+    "deepseek-200x301": (200, 301, 128, "weight_scale_inv"),  # last blocks of 72 x 45, I in 3 partitions
+    "v4-72x136": (72, 136, 128, "scale"),  # E8M0 blocks: a partial block in every projection, 8 columns of I
+}
+
+
+def odd_layer(name: str, partitions: int):
+    """A layer of ODD_SHAPES[name] (every e4m3 code but NaN) and its reference gate, up, down."""
+    hidden, inter, group, scale_part = ODD_SHAPES[name]
+    gen = torch.Generator().manual_seed(hidden)
+    codes = stored_experts.random_fp8_codes(gen)
+    if scale_part is None:
+        spec = ExpertLayerSpec(E, hidden, inter, "fp8", group)
+        tensors = {}
+        for role in ROLES:
+            n, k = spec.matrix_shape(role)
+            tensors[f"{role}.weight"] = torch.stack([codes(role, e, (n, k)) for e in range(E)])
+            tensors[f"{role}.scales"] = torch.rand(E, n, -(-k // group), generator=gen) * 2e-3 + 1e-3
+        reference = [torch.stack([dequantize_matrix(tensors[f"{role}.weight"][e], tensors[f"{role}.scales"][e], role,
+                                                    spec) for e in range(E)]) for role in ROLES]
+        return PackedLayer.from_file_tensors(tensors, spec, partitions), reference
+
+    def scales(role, e, shape):
+        if scale_part == "scale":
+            return torch.randint(115, 121, shape, generator=gen).to(torch.uint8)  # 2^-12 .. 2^-6
+        return torch.rand(shape, generator=gen) * 2e-3 + 1e-3
+    tensors, spec, reference = stored_experts.block_fp8_layer(E, hidden, inter, codes, scales, scale_part)
+    return PackedLayer.from_file_tensors(tensors, spec, partitions), reference
+
+
+@pytest.mark.parametrize("partitions", [1, 3])
+@pytest.mark.parametrize("shape", sorted(ODD_SHAPES))
+def test_odd_sizes_match_reference(shape, partitions):
+    """Odd H and I, with partial last scale groups (group 32) and partial last 128 x 128 blocks as DeepSeek and
+    DeepSeek-V4 store them (read by `hybrid.stored_matrix`; the reference expands the blocks itself), on the decode
+    and the dequantizing prefill paths (the AMX-BF16 prefill refuses sizes off its tiles:
+    tests/test_cpu_prefill_amx_float.py)."""
+    layer, (gate, up, down) = odd_layer(shape, partitions)
+    hidden, inter, group, _ = ODD_SHAPES[shape]
+    assert len(layer.partitions) == min(partitions, -(-inter // max(group, 32)))
+    decode, prefill_ = CpuMoE(layer, prefill_min_tokens=10**9), CpuMoE(layer, prefill_min_tokens=1)
+    assert isinstance(prefill_.prefill, prefill.DequantPrefill)
+    for seed, (num_tokens, top_k) in enumerate([(1, 1), (3, 2), (17, 8), (300, 2)]):
+        ids, w = routing(num_tokens, top_k, seed)
+        x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(200 + seed))
+        want = moe_reference(x, gate, up, down, ids, w, bf16_activations=True)
+        bound = act_flip_bound(x, gate, up, down, ids, w)
+        for op, path in ((decode, "decode"), (prefill_, "prefill")):
+            assert_close(op(x, ids, w), want, bound, f"{path} {shape} P={partitions} T={num_tokens} K={top_k}")
+
+
+EXTREME_H, EXTREME_I = 256, 384  # 2 x 3 blocks: 3 partitions of one block
+
+
+@pytest.fixture(scope="module")
+def extreme_layer():
+    return stored_experts.extreme_fp8_layer(EXTREME_H, EXTREME_I)
+
+
+@pytest.mark.parametrize("partitions", [1, 3])
+def test_e8m0_extremes_through_the_operator(extreme_layer, partitions):
+    """DeepSeek-V4's E8M0 `.scale` blocks at 254 (2^127, on codes below 2: finite) and 0 (2^-127) beside 250-253 and
+    1-4, in three classes of experts each with tokens sized for it (`stored_experts`), on the decode and the
+    dequantizing prefill paths: the stored values exactly (README: FP8's code x its float32 group scale), each token
+    compared on its own scale."""
+    tensors, spec, (gate, up, down) = extreme_layer
+    layer = PackedLayer.from_file_tensors(tensors, spec, partitions)
+    assert len(layer.partitions) == partitions
+    for seed, (num_tokens, top_k) in enumerate([(1, 1), (3, 2), (17, 8), (300, 2)]):
+        x, ids, w = stored_experts.class_tokens(num_tokens, EXTREME_H, top_k, seed)
+        want = moe_reference(x, gate, up, down, ids, w, bf16_activations=True)
+        assert bool(torch.isfinite(want).all())
+        scale = stored_experts.per_token_scale(want)
+        bound = act_flip_bound(x, gate, up, down, ids, w) * scale
+        for threshold, path in ((10**9, "decode"), (1, "prefill")):
+            got = CpuMoE(layer, prefill_min_tokens=threshold)(x, ids, w)
+            assert_close(got.double() * scale, want.double() * scale, bound, f"{path} T={num_tokens} K={top_k}")
 
 
 def test_bench_takes_fp8():

@@ -8,7 +8,8 @@ FP4 scales and the epilogues are what these tests check; with AMX-BF16 the real 
 Layers: H = 256, I = 192 (1 or 3 partitions); FP8 with group 128 (two groups along H, a partial last group in a
 partition of I) and 32 (one step a group); MXFP4 with scales that fold into the bf16 weights and with 2^-127 and
 2^-126 among them (those tasks' groups scaled apart); NVFP4 with zero, subnormal and 448 block scales and tensor
-scales not 1. 1, 17 and 300 tokens, top-k 1 and 8, -1 ids.
+scales not 1. 1, 17 and 300 tokens, top-k 1 and 8, -1 ids. FP8 (DeepSeek-V4's E8M0 `.scale` blocks) and MXFP4 with
+E8M0 scales 254 and 0 in every row, on tokens that keep AMX's products normal (`tests/stored_experts.py`).
 
 Tolerance (as tests/test_cpu_fp8.py's): 1e-5 of the largest output, plus, per output element, what rounding act =
 silu(gate) * up to bf16 can move it where act lies within float32 error of a bf16 rounding midpoint (`flip_bound`).
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import stored_experts
 import torch
 
 from cpu_experts import formats, prefill_amx_float
@@ -28,6 +30,7 @@ from cpu_experts.prefill import DequantPrefill, Workspace
 from cpu_experts.reference import moe_reference
 
 E, H, I = 8, 256, 192  # noqa: E741 (the shape letters of the project)
+WIDE_H, WIDE_I = 800, 288
 REL_TOL = 1e-5
 SUM_ERR = 8  # float32 steps of sum |w x| a gate or up sum of H = 256 terms may be off by
 SILU_ERR = 16  # float32 steps of act that silu (`kernels.fast_exp`, 5e-7) and the product may add
@@ -145,13 +148,77 @@ def test_matches_reference(kernels, layers, is_amx, fmt, group, kind, partitions
     layer, (gate, up, down) = layers(fmt, group, kind, partitions)
     assert prefill_amx_float.is_supported(layer)
     op = prefill_amx_float.FloatAmxPrefill(layer, Workspace(), None if is_amx else kernels)
-    gen = torch.Generator().manual_seed(5)
-    for seed, (num_tokens, top_k) in enumerate([(1, 1), (1, 8), (17, 1), (17, 8), (300, 1), (300, 8)]):
-        ids, w = routing(num_tokens, top_k, seed)
-        x = torch.randn(num_tokens, H, generator=gen)
+    check_calls(op, (gate, up, down), H, [(1, 1), (1, 8), (17, 1), (17, 8), (300, 1), (300, 8)], seed=5)
+
+
+def check_calls(op, weights, hidden_size: int, calls, seed: int) -> None:
+    """`op` against `moe_reference` (bf16 activations) for each (tokens, top-k) call, within the act flips' bound."""
+    gate, up, down = weights
+    gen = torch.Generator().manual_seed(seed)
+    for routing_seed, (num_tokens, top_k) in enumerate(calls):
+        ids, w = routing(num_tokens, top_k, routing_seed)
+        x = torch.randn(num_tokens, hidden_size, generator=gen)
         want = moe_reference(x, gate, up, down, ids, w, bf16_activations=True)
         got = torch.from_numpy(op(x.numpy(), route(ids.numpy(), w.numpy(), E)))
         assert_close(got, want, flip_bound(x, gate, up, down, ids, w), f"{num_tokens} tokens, top-{top_k}")
+
+
+@pytest.fixture(scope="module")
+def wide_layers():
+    cache = {}
+
+    def get(fmt, group, kind):
+        if (fmt, group, kind) not in cache:
+            cache[fmt, group, kind] = stored_layer(fmt, group, kind, 2, seed=10 + len(cache), hidden=WIDE_H,
+                                                   inter=WIDE_I)
+        return cache[fmt, group, kind]
+    return get
+
+
+@pytest.mark.parametrize("fmt,group,kind", [("fp8", 128, "plain"), ("fp8", 96, "plain"), ("fp8", 384, "plain"),
+                                            ("mxfp4", 32, "plain"), ("mxfp4", 32, "extreme"), ("nvfp4", 16, "plain")])
+@pytest.mark.parametrize("is_amx", [False, True])
+def test_chunks_across_groups(kernels, wide_layers, is_amx, fmt, group, kind):
+    """H = 800: gate/up rows in chunks of 512 and 288 columns (`prefill_amx_float.CHUNK`), FP8 groups that end
+    inside a chunk (96), run over two (384: their C tiles reloaded) or end with the row (128: a last group of 32);
+    NVFP4's and folded MXFP4's one group across both chunks, unfolded MXFP4's groups of one step; I = 288 in two
+    partitions (one for FP8 group 384). 1, 3, 17 and 300 tokens (300 at top-2: 2-3 passes of two column tiles an
+    expert). On the tile reference, and with AMX-BF16 on the real tiles."""
+    if is_amx and not prefill_amx_float.has_amx_bf16():
+        pytest.skip("this CPU has no AMX-BF16")
+    layer, (gate, up, down) = wide_layers(fmt, group, kind)
+    assert prefill_amx_float.is_supported(layer)
+    op = prefill_amx_float.FloatAmxPrefill(layer, Workspace(), None if is_amx else kernels)
+    check_calls(op, (gate, up, down), WIDE_H, [(1, 8), (3, 2), (17, 8), (300, 2)], seed=6)
+
+
+@pytest.fixture(scope="module")
+def extreme_layers():
+    """DeepSeek-V4's FP8 (E8M0 `.scale` blocks, I = 384: three partitions of a block) and MXFP4 experts with E8M0
+    scales at 254 and 0 (`stored_experts`), in three partitions."""
+    built = {"fp8": stored_experts.extreme_fp8_layer(H, 384), "mxfp4": stored_experts.extreme_mxfp4_layer(H, I)}
+    return {fmt: (PackedLayer.from_file_tensors(tensors, spec, 3), reference)
+            for fmt, (tensors, spec, reference) in built.items()}
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("is_amx", [False, True])
+def test_e8m0_extremes(kernels, extreme_layers, is_amx, fmt):
+    """E8M0 scales 254 (2^127) and 0 (2^-127) beside 250-253 and 1-4 in every row: FP8's group sums scaled apart,
+    MXFP4's tasks holding them not folded (2^-127 as a float32 factor), with tokens whose products and sums stay
+    normal floats (README: AMX-BF16 flushes those below 2^-126), each compared on its own scale."""
+    if is_amx and not prefill_amx_float.has_amx_bf16():
+        pytest.skip("this CPU has no AMX-BF16")
+    layer, (gate, up, down) = extreme_layers[fmt]
+    assert prefill_amx_float.is_supported(layer) and len(layer.partitions) == 3
+    op = prefill_amx_float.FloatAmxPrefill(layer, Workspace(), None if is_amx else kernels)
+    for seed, (num_tokens, top_k) in enumerate([(1, 1), (3, 2), (17, 8), (300, 2)]):
+        x, ids, w = stored_experts.class_tokens(num_tokens, H, top_k, seed)
+        want = moe_reference(x, gate, up, down, ids, w, bf16_activations=True)
+        scale = stored_experts.per_token_scale(want)
+        got = torch.from_numpy(op(x.numpy(), route(ids.numpy(), w.numpy(), gate.shape[0])))
+        assert_close(got.double() * scale, want.double() * scale, flip_bound(x, gate, up, down, ids, w) * scale,
+                     f"{num_tokens} tokens, top-{top_k}")
 
 
 @pytest.mark.parametrize("fmt,group,hidden,inter", [("fp8", 128, 80, 192), ("fp8", 128, 256, 96 + 16),
@@ -207,3 +274,12 @@ def test_operator_takes_the_path_on_amx_bf16(kernels, layers, monkeypatch, is_am
     assert calls == [40]
     want = moe_reference(x, gate, up, down, ids, w, bf16_activations=True)
     assert_close(got, want, flip_bound(x, gate, up, down, ids, w), "through CpuMoE")
+
+
+def test_tile_kernels_need_the_permission(layers, monkeypatch):
+    """Without AMX-BF16 or the tile permission the default kernels are refused with a message, not run (an illegal
+    instruction ends the process)."""
+    layer, _ = layers("nvfp4", 16, "plain", 1)
+    monkeypatch.setattr(prefill_amx_float, "has_amx_bf16", lambda: False)
+    with pytest.raises(RuntimeError, match="tile permission"):
+        prefill_amx_float.FloatAmxPrefill(layer, Workspace())

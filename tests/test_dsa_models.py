@@ -1,7 +1,8 @@
 """DeepSeek Sparse Attention models against transformers' own modeling files: DeepSeek-V3.2
 (`DeepseekV32ForCausalLM`, the indexer's rope in halves) and GLM-5 (`GlmMoeDsaForCausalLM`, interleaved, qk_nope
 and v_head of other sizes), the GLM one with GLM-5.2's shared indexer layers. The tiny checkpoints are what
-`save_pretrained` writes (the released names: `self_attn.indexer.{wq_b,wk,k_norm,weights_proj}`).
+`save_pretrained` writes (the released names: `self_attn.indexer.{wq_b,wk,k_norm,weights_proj}`) plus the
+multi-token-prediction layer the releases carry after the last layer (`with_mtp_layer`), which loading skips.
 
 index_topk (16) is smaller than most prompts, so the indexer's selection decides the attention: transformers' own
 logits move when top-k grows (checked), and ours follow. Top-k ties: our scores sum in another order than
@@ -11,24 +12,33 @@ hence 16). `selection_margins` measures every boundary gap of the prompts these 
 none is below 1e-5 of the row's largest score.
 
 Checked: float32 prefill logits (1, 7, 33 and 200 tokens) within 1e-4 of max |logit| and 32 greedy tokens on the
-CPU path, and through the Triton kernels (under the interpreter without a GPU) at 7 and 33 tokens and 14 greedy
-ones (every boundary, at the fewest interpreted tokens); the config in both GLM spellings
-of the indexer schedule; batching with chunked prefill, prefix-cache hits and preemption give each request's solo
-tokens (the index-key cache is part of the layer's pages); the FP8 release's layout.
+CPU path, and through the Triton kernels (under the interpreter without a GPU) at 1, 7 and 33 tokens and 14 greedy
+ones (every boundary, at the fewest interpreted tokens); the config in both GLM spellings of the indexer schedule;
+batching with chunked prefill, prefix-cache hits and preemption give each request's solo tokens (the index-key
+cache is part of the layer's pages); GLM indexer weights on shared layers skipped; the FP8 block releases (MTP
+layer included) with the routed experts dequantized on the device and, FP8 as stored, on the CPU operator's native
+FP8 kernels, and their `hybrid-convert` output computing the direct load's logits.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
+import shutil
 
 import pytest
 import torch
 import transformers
 from checkpoints import build_model, hf_generate, hf_logits, prompt
-from test_fp8_checkpoint import REL_TOL, build_fp8_checkpoint
+from float_checkpoints import round_expert_inputs
+from safetensors.torch import load_file, save_file
+from test_direct_serving import FLOAT_FORMAT_TOL
+from test_fp8_checkpoint import build_fp8_checkpoint
 from test_models_parity import assert_logits_close, assert_same_tokens
 
+from convert.cli import main as convert_main
+from cpu_experts.module import CpuExperts
 from gpu_layers import dsa_reference
 from hybrid import LLM
 from hybrid.engine import Engine
@@ -42,9 +52,10 @@ PROMPT_LENS = (1, 7, 33, 200)
 NUM_GREEDY = 32
 NUM_KERNEL_GREEDY = 14  # from a 20-token prompt: decode's last step writes position 32 (a third page)
 MAX_MODEL_LEN = 320
+NUM_LAYERS = 4
 GLM_INDEXER_TYPES = ["full", "shared", "full", "shared"]
 COMMON = dict(
-    vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
+    vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=NUM_LAYERS,
     num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
     topk_group=1, q_lora_rank=48, kv_lora_rank=32, qk_rope_head_dim=16, index_topk=TOPK, index_head_dim=32,
     index_n_heads=16, first_k_dense_replace=1, max_position_embeddings=512, bos_token_id=0, eos_token_id=1,
@@ -60,12 +71,35 @@ def dsa_config(arch: str, **overrides):
     return getattr(transformers, name)(**(COMMON | extra | overrides))
 
 
+def with_mtp_layer(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`tensors` with the multi-token-prediction layer the releases store after the last decoder layer, as
+    model.layers.{NUM_LAYERS}.*: a DSA decoder layer (the last layer's weights; layer 0's indexer where the last
+    is a shared layer without one) and the MTP head (embed_tokens, enorm, hnorm, eh_proj, shared_head). Loading
+    skips all of it."""
+    last, mtp, first = f"model.layers.{NUM_LAYERS - 1}.", f"model.layers.{NUM_LAYERS}.", "model.layers.0."
+    layer = {mtp + n.removeprefix(last): t for n, t in tensors.items() if n.startswith(last)}
+    for name, t in tensors.items():
+        if name.startswith(first + "self_attn.indexer."):
+            layer.setdefault(mtp + name.removeprefix(first), t)
+    norm, hidden = tensors["model.norm.weight"], tensors["model.norm.weight"].shape[0]
+    gen = torch.Generator().manual_seed(0)
+    head = {"embed_tokens.weight": tensors["model.embed_tokens.weight"], "enorm.weight": norm, "hnorm.weight": norm,
+            "eh_proj.weight": torch.randn(hidden, 2 * hidden, generator=gen) * 0.15,
+            "shared_head.norm.weight": norm, "shared_head.head.weight": tensors["lm_head.weight"]}
+    layer |= {mtp + n: t for n, t in head.items()}
+    assert any(".self_attn.indexer.wq_b." in n for n in layer) and any(".mlp.experts." in n for n in layer)
+    return tensors | {n: t.clone() for n, t in layer.items()}  # clones: safetensors refuses shared storage
+
+
 @pytest.fixture(scope="module", params=list(ARCHS))
 def dsa(request, tmp_path_factory):
+    """The checkpoint as transformers saves it plus the MTP layer the releases carry (`with_mtp_layer`)."""
     arch = request.param
     model = build_model(dsa_config(arch), seed=ARCHS[arch][2])
     path = tmp_path_factory.mktemp(arch)
     model.save_pretrained(path)
+    file = path / "model.safetensors"
+    save_file(with_mtp_layer(load_file(str(file))), str(file), metadata={"format": "pt"})
     llm = LLM(path, dtype="float32", expert_placement="device", max_model_len=MAX_MODEL_LEN, max_num_seqs=4)
     return arch, path, model, llm
 
@@ -111,6 +145,12 @@ def test_checkpoint_is_the_released_layout(dsa):
     for part in ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight"):
         assert f"model.layers.0.self_attn.indexer.{part}" in names
     assert ("model.layers.1.self_attn.indexer.wk.weight" in names) == (arch == "v32")  # GLM: layer 1 is shared
+    # the MTP layer (skipped): a DSA layer, its indexer and routed experts included, and the MTP head
+    for part in ("self_attn.indexer.wq_b.weight", "self_attn.indexer.weights_proj.weight", "self_attn.kv_b_proj.weight",
+                 "mlp.experts.0.gate_proj.weight", "mlp.gate.e_score_correction_bias", "eh_proj.weight",
+                 "shared_head.head.weight"):
+        assert f"model.layers.{NUM_LAYERS}.{part}" in names
+    assert len(llm.model.model.layers) == NUM_LAYERS
     specs = llm.config.layers
     expected = GLM_INDEXER_TYPES if arch == "glm" else ["full"] * 4
     assert ["shared" if s.attention.indexer.is_shared else "full" for s in specs] == expected
@@ -177,13 +217,14 @@ def test_kernel_path_matches_transformers(dsa_kernels):
     prefill across the top-k boundary.
 
     Interpreted kernels cost seconds per token, so this checks the wiring at the fewest tokens that cross every
-    boundary the layer sees: a dense prefill (7, below top-k), a selecting one over three pages (33), decode past
-    top-k into a third page (20 + 14 tokens: the last step writes position 32), and chunked prefill. Long
+    boundary the layer sees: a one-token prefill (a decode-shaped step, which always selects, over a context
+    shorter than top-k), a dense prefill (7, below top-k), a selecting one over three pages (33), decode past top-k
+    into a third page (20 + 14 tokens: the last step writes position 32), and chunked prefill. Long
     contexts (several key tiles, 200 tokens) are the kernels' own tests (`test_gpu_dsa`) and the CPU path's
     parity above."""
     arch, ref, llm = dsa_kernels
     assert llm.backends.attention.name == "triton"
-    for length in (7, 33):
+    for length in (1, 7, 33):
         ids = prompt(length, seed=400 + length)
         assert_logits_close(llm.prefill_logits(ids), hf_logits(ref, ids), f"{arch} kernels prefill of {length}")
     ids = prompt(20, seed=101)  # the CPU greedy test's prompt (its selection margins are checked there)
@@ -285,6 +326,35 @@ def test_preemption_recomputes_the_same_tokens(dsa):
         engine.close()
 
 
+# --- the checkpoint's extra tensors -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dsa", ["glm"], indirect=True)
+def test_glm_shared_layer_indexer_weights_are_skipped(dsa, tmp_path):
+    """GLM-5.2's release ships no indexer weights on its shared layers, but a checkpoint derived from it may carry
+    them on every layer (GGUF conversions of GLM-5.2 do): loading skips them (the model's `is_ignored_tensor`), the
+    shared layers still take the previous full layer's selection and the logits are the release's. The stray
+    weights are the previous full layer's, perturbed, so a shared layer that ran them would select otherwise."""
+    _, path, ref, llm = dsa
+    for file in path.iterdir():
+        shutil.copy(file, tmp_path / file.name)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    gen = torch.Generator().manual_seed(5)
+    for layer, kind in enumerate(GLM_INDEXER_TYPES):
+        if kind == "shared":
+            full = f"model.layers.{layer - 1}.self_attn.indexer."
+            tensors |= {f"model.layers.{layer}.self_attn.indexer.{n.removeprefix(full)}":
+                        t + 0.1 * torch.randn(t.shape, generator=gen) for n, t in tensors.items() if n.startswith(full)}
+    assert "model.layers.3.self_attn.indexer.wq_b.weight" in tensors
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    stray = LLM(tmp_path, dtype="float32", expert_placement="device", max_model_len=MAX_MODEL_LEN)
+    assert not any(hasattr(layer.self_attn, "indexer") for layer in stray.model.model.layers[1::2])
+    ids = prompt(33, seed=433)  # the prefill test's 33-token prompt (its selection margins are checked there)
+    got = stray.prefill_logits(ids)
+    assert torch.equal(got, llm.prefill_logits(ids))
+    assert_logits_close(got, hf_logits(ref, ids), "glm with indexer weights on its shared layers")
+
+
 # --- the config ---------------------------------------------------------------------------------------------------
 
 
@@ -321,14 +391,74 @@ def test_config_errors_name_the_key(tmp_path, update, message):
 # --- FP8 (the released checkpoints' format) -------------------------------------------------------------------------
 
 
-def test_fp8_release_matches_the_dequantized_reference(tmp_path_factory):
+@pytest.fixture(scope="module")
+def dsa_fp8(tmp_path_factory):
+    """arch -> its FP8 block release (built once): `build_fp8_checkpoint`'s dict over the checkpoint with its MTP
+    layer (in FP8 like the other layers), whose 'llm' runs the routed experts on the CPU operator as stored (FP8,
+    the native kernels); 'device_llm' runs them dequantized on the engine's device; 'rounded_ref' is the reference
+    with each expert matmul's input rounded to bfloat16 (the CPU FP8 kernels' contract)."""
+    cache: dict[str, dict] = {}
+
+    def get(arch: str) -> dict:
+        if arch not in cache:
+            built = build_fp8_checkpoint(dsa_config(arch), ARCHS[arch][2], tmp_path_factory, f"{arch}_fp8",
+                                         publish=with_mtp_layer, expert_placement="cpu")
+            built["device_llm"] = LLM(built["path"], dtype="float32", expert_placement="device")
+            built["rounded_ref"] = round_expert_inputs(copy.deepcopy(built["ref"]))
+            cache[arch] = built
+        return cache[arch]
+
+    yield get
+    for built in cache.values():  # the CPU operator's worker threads
+        built["llm"].close()
+        built["device_llm"].close()
+
+
+def cpu_expert_dtypes(llm) -> list[str]:
+    return [m.op.spec.dtype for m in llm.model.modules() if isinstance(m, CpuExperts)]
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_fp8_release_matches_the_dequantized_reference(dsa_fp8, arch):
     """FP8 block-scaled projections, the indexer's wq_b and wk included (its weights_proj stays 16-bit, as
-    released)."""
-    built = build_fp8_checkpoint(dsa_config("v32"), ARCHS["v32"][2], tmp_path_factory, "v32_fp8")
-    stored = built["stored"]
-    assert stored["model.layers.1.self_attn.indexer.wq_b.weight"].dtype == torch.float8_e4m3fn
-    assert stored["model.layers.1.self_attn.indexer.weights_proj.weight"].dtype == torch.float32
-    for length in (7, 33):
+    released), and the MTP layer stored in FP8 too. The experts on the device (dequantized at load) match the
+    dequantized reference to float32 rounding; on the CPU operator, FP8 as stored, they match it with each expert
+    matmul's input rounded to bfloat16 (`test_direct_serving.FLOAT_FORMAT_TOL` says why that allows ~1e-3)."""
+    built = dsa_fp8(arch)
+    stored, mtp = built["stored"], f"model.layers.{NUM_LAYERS}"
+    for name in ("model.layers.1.self_attn.indexer.wq_b.weight" if arch == "v32" else
+                 "model.layers.2.self_attn.indexer.wq_b.weight", "model.layers.1.mlp.experts.3.down_proj.weight",
+                 f"{mtp}.self_attn.indexer.wk.weight", f"{mtp}.mlp.experts.0.gate_proj.weight"):
+        assert stored[name].dtype == torch.float8_e4m3fn and name + "_scale_inv" in stored, name
+    assert stored["model.layers.0.self_attn.indexer.weights_proj.weight"].dtype == torch.float32
+    assert cpu_expert_dtypes(built["llm"]) == ["fp8"] * (NUM_LAYERS - COMMON["first_k_dense_replace"])
+    assert cpu_expert_dtypes(built["device_llm"]) == []
+    for length in (1, 7, 33):
         ids = prompt(length, seed=500 + length)
-        ours, ref = built["llm"].prefill_logits(ids), hf_logits(built["ref"], ids)
-        assert (ours - ref).abs().max() <= REL_TOL * ref.abs().max()
+        want = hf_logits(built["ref"], ids)
+        assert_logits_close(built["device_llm"].prefill_logits(ids), want, f"{arch} FP8, experts on the device")
+        with selection_margins(built["llm"]) as margins:
+            got = built["llm"].prefill_logits(ids)
+        want = hf_logits(built["rounded_ref"], ids)
+        err, scale = float((got - want).abs().max()), float(want.abs().max())
+        assert err <= FLOAT_FORMAT_TOL * scale, f"{arch} FP8 CPU experts, prefill of {length}: {err:.3e} / {scale:.3e}"
+        assert min(margins, default=1.0) > 1e-5, f"{arch}: a top-k tie at the boundary; pick another seed"
+
+
+def test_fp8_release_converted_gives_the_direct_logits(dsa_fp8, tmp_path):
+    """`hybrid-convert` of the GLM FP8 release (GLM-5.2's shared indexer layers, the MTP layer skipped): the
+    converted directory keeps the experts' FP8 as stored and computes the direct load's logits exactly."""
+    built = dsa_fp8("glm")
+    dst = tmp_path / "converted"
+    assert convert_main([str(built["path"]), str(dst), "--threads", "2"]) == 0
+    moe_layers = range(COMMON["first_k_dense_replace"], NUM_LAYERS)  # the MTP layer's experts are not converted
+    assert sorted(p.name for p in (dst / "experts").iterdir()) == [f"layer-{i:03d}.safetensors" for i in moe_layers]
+    converted = LLM(dst, dtype="float32")
+    try:
+        assert cpu_expert_dtypes(converted) == cpu_expert_dtypes(built["llm"])
+        for length in (1, 33):
+            ids = prompt(length, seed=500 + length)
+            is_equal = torch.equal(converted.prefill_logits(ids), built["llm"].prefill_logits(ids))
+            assert is_equal, f"glm FP8 converted: prefill of {length} differs from the direct load"
+    finally:
+        converted.close()

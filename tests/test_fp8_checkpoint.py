@@ -61,13 +61,17 @@ def load_reference(cfg, tensors: dict[str, torch.Tensor], tmp_dir) -> torch.nn.M
     return model.eval()
 
 
-def build_fp8_checkpoint(cfg, seed: int, tmp_path_factory, tag: str) -> dict:
+def build_fp8_checkpoint(cfg, seed: int, tmp_path_factory, tag: str, *, publish=None, **llm_options) -> dict:
     """The FP8 checkpoint of `cfg` (seeded weights, every FP8 tensor's blocks scaled apart), its tensors stored,
-    dequantized and raw (FP8 values without their scales), the reference and our LLM on it."""
+    dequantized and raw (FP8 values without their scales), the reference and our LLM on it (`llm_options` beside
+    device cpu and dtype float32). `publish(tensors)`: the saved tensors as the release lays them out (extra layers
+    such as an MTP one), applied before quantizing."""
     model = build_model(cfg, seed=seed)
     src = tmp_path_factory.mktemp(f"{tag}_src")
     model.save_pretrained(src)
     original = load_file(str(src / "model.safetensors"))
+    if publish is not None:
+        original = publish(original)
 
     gen = torch.Generator().manual_seed(seed)
     stored, dequantized, raw = {}, {}, {}
@@ -89,7 +93,7 @@ def build_fp8_checkpoint(cfg, seed: int, tmp_path_factory, tag: str) -> dict:
 
     ref = load_reference(cfg, dequantized, tmp_path_factory.mktemp(f"{tag}_ref"))
     return {"cfg": cfg, "path": path, "stored": stored, "dequantized": dequantized, "raw": raw, "ref": ref,
-            "llm": LLM(path, device="cpu", dtype="float32")}
+            "llm": LLM(path, device="cpu", dtype="float32", **llm_options)}
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from gpu_support import DEVICE, poisoned
 from test_gpu_attention import check, make_paged_kv
 from transformers.models.gpt_oss import modeling_gpt_oss
 
-from gpu_layers import attention, reference
+from gpu_layers import attention, attention_kernels, reference
 
 
 def random_sinks(num_q_heads, seed=5):
@@ -197,7 +197,7 @@ def test_launchers_reject_bad_sinks_and_head_dims():
 def test_supported_head_dims_and_gate_cover_them():
     assert attention.supports_head_dims(192, 128) and attention.supports_head_dims(64, 64)
     assert not attention.supports_head_dims(128, 192)
-    labels = {case.label for case in attention.gate_cases() if case.capability == 120}
+    labels = {case.label for case in attention_kernels.gate_cases() if case.capability == 120}
     for dtype in ("bf16", "fp16", "fp32"):
         assert any(label.startswith(f"paged_decode {dtype} Dqk=192 Dv=128") for label in labels)
         assert any(label.startswith(f"paged_prefill {dtype} Dqk=192 Dv=128") and label.endswith("sinks")

@@ -39,6 +39,22 @@ def test_prefill_logits_match_transformers(tmp_path, name):
     assert (ours - ref.to(ours.device)).abs().max() <= REL_TOL * ref.abs().max()
 
 
+def test_fused_qkv_projects_as_the_three_checkpoint_projections(tmp_path):
+    """`fuse_qkv` concatenates q, k and v (and Qwen2's biases) into one weight: every layer's one product, split,
+    equals the checkpoint's three projections (transformers' own modules) on the same rows."""
+    model = _checkpoint(tmp_path, "qwen2_moe").to(DEVICE)
+    llm = LLM(tmp_path, device=str(DEVICE), dtype="float32", kernels="triton", expert_placement="device")
+    x = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    for ours, theirs in zip(llm.model.model.layers, model.model.layers, strict=True):
+        attention, reference = ours.self_attn, theirs.self_attn
+        assert attention.qkv_weight is not None and attention.qkv_bias is not None
+        with torch.no_grad():
+            projected = attention._project(x)
+            expected = [proj(x) for proj in (reference.q_proj, reference.k_proj, reference.v_proj)]
+        for got, want in zip(projected, expected, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize(("name", "new_tokens"), [
     ("qwen3_moe", 8), ("qwen2_moe", 8), ("mixtral", 8), ("deepseek_v3", 8), ("deepseek_v2_greedy", 8), ("glm4_moe", 8),
     ("kimi_k25", 24), ("minimax_m2", 24)])

@@ -13,7 +13,7 @@ from hot_experts_support import EverySwap, check_slot_table, decode_swapping
 from hybrid import LLM
 from hybrid.engine import Engine
 from hybrid.errors import ConfigError
-from hybrid.hot_experts import SwapPolicy, dequantize_expert
+from hybrid.hot_experts import SwapPolicy, dequantize_expert, dequantize_staged
 from hybrid.routed_experts import RoutedExperts
 
 PROMPTS = [prompt(n, seed=700 + n) for n in (3, 9, 17)]
@@ -110,7 +110,8 @@ def test_a_swap_every_step_gives_the_fixed_placements_tokens(converted):
     installed = LLM(converted, gpu_experts=4, hot_experts_interval=1, **ARGS)  # the same swaps, no step between
     installed.hot_experts.policy = EverySwap()
     installed.prefill_logits(PROMPTS[0])  # the routers' counts exist (the policy ignores them)
-    for _ in range(num_steps):
+    for _ in range(num_steps):  # what the engine calls in each step
+        installed.hot_experts.during_step()
         installed.hot_experts.after_step()
     assert [m.slot_experts for m in routed(installed)] == [m.slot_experts for m in layers]
     moved = hot.prefill_logits(PROMPTS[2])
@@ -120,31 +121,128 @@ def test_a_swap_every_step_gives_the_fixed_placements_tokens(converted):
 
 
 def test_the_routers_counts_move_the_hottest_expert_in(converted):
-    """Counts as the routers record them: every `interval` steps a decision, its copy flipped at the next
-    between-steps call; an idle engine decides at once if steps ran since the last decision."""
+    """Counts as the routers record them: every `interval` steps a decision, its copies started while the next step
+    runs (`during_step`) and flipped at the next between-steps call; an idle engine decides at once if steps ran
+    since the last decision, and starts the copies too."""
     hot = LLM(converted, gpu_experts=4, hot_experts_interval=2, **ARGS)  # residents 0, 1, 2 and a spare slot
     recorder, mover = hot.record_routing(), hot.hot_experts
     layers = routed(hot)
     for module in layers:  # expert 7 hot, 2 cold
         recorder.add(module.layer_idx, torch.tensor([[7, 0, 1]] * 6))
     mover.after_step()
-    assert not mover.pending and mover.num_swaps == 0  # not a decision step
+    assert not mover.queued and not mover.pending and mover.num_swaps == 0  # not a decision step
     mover.after_step()
-    assert [(p.evict, p.admit) for p in mover.pending] == [(2, 7)] * len(layers) and mover.num_swaps == 0
-    mover.after_step()  # the copies landed (synchronous on the CPU): flipped
+    assert [(evict, admit) for _, evict, admit in mover.queued] == [(2, 7)] * len(layers) and not mover.pending
+    mover.during_step()  # the next step: a decision's copies spread over its interval (2 steps)
+    assert len(mover.pending) == -(-len(layers) // 2) and mover.num_swaps == 0
+    mover.after_step()  # those copies landed (synchronous on the CPU): flipped; step 3 decides nothing
+    mover.during_step()
+    mover.after_step()  # step 4: the rest flipped, then a decision on an empty window (7's score decays to 3)
     assert mover.num_swaps == len(layers) and all(m.gpu_expert_ids == (0, 1, 7) for m in layers)
+    assert not mover.queued and mover.scores[layers[0].layer_idx][7] == 3.0
     for module in layers:
         check_slot_table(module)
-        recorder.add(module.layer_idx, torch.tensor([[2, 0, 1]] * 3))  # 3 > 1.5 x 7 x 0.5 (decayed): not yet
-    mover.at_idle()  # a step ran since the last decision: decided now, on the decayed scores
-    assert not mover.pending and mover.scores[layers[0].layer_idx][2] == 3.0
-    mover.at_idle()  # no step since: nothing to decide
+        recorder.add(module.layer_idx, torch.tensor([[2, 0, 1]] * 2))  # 2 is not 1.5 x 1.5 (7 decayed): not yet
+    mover.at_idle()  # no step since the last decision: nothing to decide
+    assert mover.scores[layers[0].layer_idx][2] == 0.0
+    mover.after_step()  # step 5: no decision
+    mover.at_idle()  # a step ran since the last decision: decided now
+    assert not mover.queued and not mover.pending and mover.scores[layers[0].layer_idx][2] == 2.0
     for module in layers:
         recorder.add(module.layer_idx, torch.tensor([[2, 0, 1]] * 20))
-    mover.after_step()  # step 4: 21.5 against 1.5
-    assert [(p.evict, p.admit) for p in mover.pending] == [(7, 2)] * len(layers)
+    mover.after_step()  # step 6: 21 against 0.75
+    assert [(evict, admit) for _, evict, admit in mover.queued] == [(7, 2)] * len(layers)
+    mover.at_idle()  # idle: every copy starts at once
+    assert not mover.queued and len(mover.pending) == len(layers)
     mover.at_idle()  # landed: flipped
     assert mover.num_swaps == 2 * len(layers) and all(m.gpu_expert_ids == (0, 1, 2) for m in layers)
+
+
+def test_the_server_loop_moves_experts_when_its_work_runs_out(converted):
+    """hybrid-serve's engine loop over an engine whose interval its requests never reach: the decision comes when
+    the work runs out (`EngineLoop` -> `Engine.idle` -> `HotExperts.at_idle`), its copies start then (on the CPU,
+    done at once), and the next request's first step flips them."""
+    import time
+
+    from hybrid.sampling import SamplingParams
+    from server.engine_loop import EngineLoop, GenerateJob, Output
+
+    llm = LLM(converted, gpu_experts=4, hot_experts_interval=1000, **ARGS)
+    mover, layers = llm.hot_experts, routed(llm)
+    mover.policy = EverySwap()
+    loop = EngineLoop(Engine(llm, max_num_batched_tokens=16), None, llm.max_model_len)
+    events = []
+
+    def wait_until(condition) -> None:
+        deadline = time.monotonic() + 30
+        while not condition():
+            assert time.monotonic() < deadline, "timed out"
+            time.sleep(0.01)
+
+    def num_done() -> int:
+        return sum(isinstance(e, Output) and e.finish_reason is not None for e in events)
+
+    loop.start()
+    try:
+        for num_requests in (1, 2):
+            loop.submit(GenerateJob(PROMPTS[num_requests], SamplingParams(), 4, events.append, ignore_eos=True))
+            wait_until(lambda n=num_requests: num_done() == n and len(mover.pending) == len(layers))
+            assert mover.num_swaps == (num_requests - 1) * len(layers) and not mover.queued
+    finally:
+        loop.stop()
+    assert [m.gpu_expert_ids for m in layers] == [(1, 2, 6)] * len(layers)  # EverySwap: 0 out, absent[3] in
+    for module in layers:
+        check_slot_table(module)
+
+
+@pytest.mark.parametrize("dtype,group_size", [("int8", 0), ("int8", 32), ("int4", 32), ("bf16", 0), ("fp8", 32),
+                                              ("mxfp4", 32), ("nvfp4", 16)])
+def test_a_staged_copy_fills_the_slot_as_the_loader_does(dtype, group_size):
+    """The CUDA copy's path (`stage` into a byte buffer, `dequantize_staged` through the streamed prefill's
+    kernels; here the Triton interpreter on the CPU) gives, in a bf16 slot, the loader's float32 dequantization
+    rounded to bf16, bit for bit: an expert split over two partitions (gate and up rows, down columns), in a
+    fused gate/up layout's slot between two others that stay untouched."""
+    from types import SimpleNamespace
+
+    from cpu_experts.packed import PackedLayer
+    from hybrid.hot_experts import stage, staged_bytes
+
+    g = torch.Generator().manual_seed(11)
+    num_experts, inter, hidden = 3, 96, 64
+    gate, up = (torch.randn(num_experts, inter, hidden, generator=g) for _ in range(2))
+    down = torch.randn(num_experts, hidden, inter, generator=g)
+    layer = PackedLayer.from_float(gate, up, down, dtype, group_size, num_partitions=2)
+    assert len(layer.partitions) == 2
+    num_slots = 3
+    gate_up = torch.full((num_slots, 2 * inter, hidden), float("nan"), dtype=torch.bfloat16)  # fused layout
+    module = SimpleNamespace(proj_names=("w1", "w3", "w2"), w1=gate_up[:, :inter], w3=gate_up[:, inter:],
+                             w2=torch.full((num_slots, hidden, inter), float("nan"), dtype=torch.bfloat16),
+                             cpu_experts=SimpleNamespace(op=SimpleNamespace(layer=layer)))
+    for expert, slot in ((2, 1), (0, 1)):
+        buffer = torch.empty(staged_bytes(layer), dtype=torch.uint8)
+        layout, _ = stage(layer, expert, buffer)
+        dequantize_staged(module, slot, layout, buffer)
+        for name, want in zip(module.proj_names, dequantize_expert(layer, expert), strict=True):
+            assert torch.equal(getattr(module, name)[slot], want.to(torch.bfloat16)), (dtype, expert, name)
+    assert gate_up[0].isnan().all() and gate_up[2].isnan().all() and module.w2[0].isnan().all()
+
+
+def test_the_moe_block_counts_after_handing_off(converted):
+    """The routing counts are recorded once the routed experts have their tokens (`SparseMoE` records after
+    `submit`, so a graph step's counting kernels run while the CPU computes), every routed id counted once."""
+    from hybrid.layers.moe import SparseMoE
+
+    llm = LLM(converted, gpu_experts=3, **ARGS)
+    recorder = llm.record_routing()
+    order = []
+    block = next(m for m in llm.model.modules() if isinstance(m, SparseMoE))
+    submit, add = block.experts.submit, recorder.add
+    block.experts.submit = lambda *args: (order.append("submit"), submit(*args))[1]
+    recorder.add = lambda layer, ids: (order.append(("record", layer)), add(layer, ids))[1]
+    llm.prefill_logits(PROMPTS[1])
+    assert order.index("submit") < order.index(("record", block.experts.layer_idx))
+    counts = recorder.stats().counts
+    assert all(sum(c) == len(PROMPTS[1]) * llm.config.moe.top_k for c in counts.values())
 
 
 def test_skewed_routing_weights_skew_the_routing_per_band(tmp_path):

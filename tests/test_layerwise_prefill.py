@@ -14,8 +14,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from cache_groups_support import BLOCK, make_llm, poison_free_windowed_pages
 from checkpoints import prompt
-from test_cache_groups import BLOCK, WINDOW, gpt_oss_path, make_llm, poison_free_windowed_pages  # noqa: F401
+from test_cache_groups import WINDOW, gpt_oss_path  # noqa: F401
 
 from hybrid import parallel
 from hybrid.cache_groups import windowed_blocks

@@ -26,7 +26,7 @@ REGISTERED = {"Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM"
               "DeepseekV2ForCausalLM", "Glm4MoeForCausalLM", "KimiK25ForConditionalGeneration", "MiniMaxM2ForCausalLM",
               "Glm4MoeLiteForCausalLM", "GptOssForCausalLM", "MiMoV2FlashForCausalLM", "Qwen3NextForCausalLM",
               "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration", "DeepseekV32ForCausalLM",
-              "GlmMoeDsaForCausalLM"}
+              "GlmMoeDsaForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"}
 
 
 @pytest.fixture(scope="module")

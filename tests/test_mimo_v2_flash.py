@@ -8,7 +8,9 @@ among the MoE ones, a window (5) shorter than the longer prompts, grouped routin
 Checked: float32 prefill logits (1, 7 and 33 tokens, crossing KV pages of 16) within 1e-4 of max |logit| and 32
 greedy tokens against `generate` on the CPU path (14 through the Triton kernels, under the interpreter without a
 GPU: decode into the second page); the config in transformers' and in the released spelling and its errors; the
-FP8 checkpoint as published.
+FP8 checkpoint as published. The engine over the two cache groups (full layers' pages of one KV head, sliding
+layers' of two, window 12, pages of 4): batched and chunked, prefix-cached and preempted requests get their solo
+tokens, and the sliding group holds only its window's pages (test_cache_groups.py's scenarios for gpt-oss).
 """
 
 from __future__ import annotations
@@ -18,6 +20,15 @@ import json
 import pytest
 import torch
 import transformers
+from cache_groups_support import (
+    BLOCK,
+    batched_outputs,
+    make_llm,
+    pages_in_use,
+    preempted_outputs,
+    prefix_hit,
+    solo_outputs,
+)
 from checkpoints import build_model, hf_generate, hf_logits, prompt
 from safetensors.torch import load_file, save_file
 from test_direct_serving import FLOAT_FORMAT_TOL, _float_kernels_available
@@ -304,3 +315,77 @@ def test_synthetic_fp8_checkpoint_loads_with_fp8_cpu_experts(tmp_path, monkeypat
         assert logits.shape == (3, 512) and torch.isfinite(logits).all()
     finally:
         llm.close()
+
+
+# --- the engine over two cache groups (test_cache_groups.py's scenarios for gpt-oss) --------------------------------
+
+ENGINE_WINDOW = 12
+ENGINE_PROMPTS = [prompt(n, seed=800 + n) for n in (3, 11, 13, 29, 40)]  # around pages (4) and the window (12)
+ENGINE_MAX_TOKENS = [12, 8, 5, 10, 6]
+
+
+@pytest.fixture(scope="module")
+def mimo_engine_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("mimo_engine")
+    make_mimo(path, sliding_window=ENGINE_WINDOW, max_position_embeddings=512)
+    return path
+
+
+@pytest.fixture(scope="module")
+def mimo_engine_llm(mimo_engine_path):
+    return make_llm(mimo_engine_path, max_model_len=128)
+
+
+@pytest.fixture(scope="module")
+def mimo_solo(mimo_engine_llm):
+    return solo_outputs(mimo_engine_llm, ENGINE_PROMPTS, ENGINE_MAX_TOKENS)
+
+
+def test_engine_groups_differ_in_page_shape(mimo_engine_llm):
+    """Full layers (one KV head, q/k 192 and v 128) and sliding ones (two KV heads): one pool each."""
+    groups = mimo_engine_llm.blocks.groups
+    assert [(g.layer_indices, g.sliding_window, g.page_shapes) for g in groups] == [
+        ((0, 3), None, ((KV_HEADS, 192), (KV_HEADS, 128))),
+        ((1, 2, 4, 5), ENGINE_WINDOW, ((2 * KV_HEADS, 192), (2 * KV_HEADS, 128)))]
+
+
+@pytest.fixture(scope="module")
+def mimo_engine_uncached(mimo_engine_path):
+    return make_llm(mimo_engine_path, max_model_len=128, enable_prefix_caching=False)
+
+
+def test_engine_batching_and_chunked_prefill_match_solo(mimo_engine_uncached, mimo_solo):
+    """Chunks of a 10-token budget cross pages and windows beside other requests' decodes, released sliding pages
+    poisoned after every step: each request gets its solo tokens."""
+    outputs, num_mixed = batched_outputs(mimo_engine_uncached, ENGINE_PROMPTS, ENGINE_MAX_TOKENS,
+                                         max_num_batched_tokens=10, max_num_seqs=4)
+    assert num_mixed > 0
+    assert outputs == mimo_solo
+
+
+def test_engine_prefix_hit_gives_identical_output(mimo_engine_llm, mimo_engine_uncached):
+    request, alone = prefix_hit(mimo_engine_llm, mimo_engine_uncached, ENGINE_PROMPTS[4], ENGINE_MAX_TOKENS[4],
+                                [7, 9, 11], 5)
+    assert request.num_cached == 40  # every page of the conversation's prompt, the sliding group's window of them
+    assert request.output_ids == alone
+
+
+def test_engine_preemption_and_resume_are_exact(mimo_engine_path, mimo_solo):
+    """Pools of 16 full and 6 sliding pages cannot hold the requests together (31 full pages at the end)."""
+    llm = make_llm(mimo_engine_path, max_model_len=128)
+    chosen = [0, 1, 3, 4]
+    outputs, preempted = preempted_outputs(llm, [ENGINE_PROMPTS[i] for i in chosen],
+                                           [ENGINE_MAX_TOKENS[i] for i in chosen], {None: 16, ENGINE_WINDOW: 6})
+    assert preempted
+    assert outputs == [mimo_solo[i] for i in chosen]
+
+
+def test_engine_sliding_layers_keep_only_their_window(mimo_engine_path):
+    """A 400-token request in chunks of 64: the sliding group holds the pages from the window of each step's first
+    token to its last token, the full group every page of the context."""
+    from hybrid.block_manager import blocks_needed
+
+    llm = make_llm(mimo_engine_path, max_model_len=512, max_num_seqs=1, max_num_batched_tokens=64)
+    used = pages_in_use(llm, prompt(400, seed=840), 4)
+    assert all(num_full == blocks_needed(num_computed, BLOCK) for num_computed, _, num_full in used)
+    assert used[-1] == (402, 4, 101)  # the last decode: the token at 401 sees 390..401, pages 97-100 of 0-100

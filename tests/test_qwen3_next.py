@@ -5,6 +5,7 @@ preemption, cancellation, an exhausted slot pool)."""
 
 from __future__ import annotations
 
+import logging
 import shutil
 
 import pytest
@@ -12,10 +13,15 @@ import torch
 from qwen3_next_support import (
     CHUNK,
     MAX_MODEL_LEN,
+    NUM_GREEDY,
     NUM_LAYERS,
+    PROMPT_LENS,
     TEXT,
+    check_parity,
     make_llm,
     random_prompt,
+    run_together,
+    solo_tokens,
     write_qwen3_5,
     write_qwen3_next,
 )
@@ -28,9 +34,6 @@ from hybrid.models import load_model_config
 from hybrid.routed_experts import RoutedExperts
 
 transformers = pytest.importorskip("transformers")
-
-PROMPT_LENS = (1, 7, 33, 200)
-NUM_GREEDY = 32
 
 
 @pytest.fixture(scope="module")
@@ -169,26 +172,58 @@ def test_fused_experts_on_the_cpu_operator(qwen3_5, qwen3_5_fused, gpu_experts):
     assert not torch.equal(want, make_llm(qwen3_5[0]).prefill_logits(prompt))  # int8 experts, not the float ones
 
 
+# --- Qwen3.5-MoE as text only, with interleaved MRoPE, with MTP weights ---
+
+
+def test_text_only_qwen3_5_moe_parity(tmp_path):
+    """`Qwen3_5MoeForCausalLM`: the text model's names at the top (`model.*`), every layer MoE."""
+    model = write_qwen3_5(transformers, tmp_path, is_released=False)
+    llm = make_llm(tmp_path)
+    assert llm.config.architecture == "Qwen3_5MoeForCausalLM" and all(llm.config.moe_layers)
+    check_parity(model, llm, "Qwen3_5MoeForCausalLM")
+
+
+# As Qwen3.5 publishes its RoPE (`mrope_section` [11, 11, 10] over a rotary 64 of head 256), scaled down: rotary 8
+# of head 32, frequencies of sections T 2, H 1, W 1 interleaved (T H W T); text positions are equal in all three
+INTERLEAVED_MROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                     "mrope_section": [2, 1, 1], "mrope_interleaved": True}
+
+
+def test_interleaved_mrope_is_1d_rope_for_text(tmp_path, caplog):
+    """The released wrapper with interleaved MRoPE parses into plain NeoX RoPE on the rotary quarter and matches
+    transformers; loading it says, once, that the vision tower is skipped."""
+    model = write_qwen3_5(transformers, tmp_path, head_dim=32, rope_parameters=INTERLEAVED_MROPE)
+    with caplog.at_level(logging.WARNING, logger="hybrid.models.qwen3_next"):
+        llm = make_llm(tmp_path)
+    assert caplog.text.count("the Qwen3.5 vision tower (model.visual.*) is not loaded") == 1
+    rope = llm.config.layers[3].rope
+    assert (rope.rotary_dim, rope.is_interleaved) == (8, False)
+    check_parity(model, llm, "interleaved MRoPE")
+
+
+# The released checkpoints' multi-token-prediction head (Qwen3.5: per-expert MTP experts, Qwen3.6: fused ones)
+MTP_SHAPES = {"mtp.fc.weight": (64, 128), "mtp.pre_fc_norm_embedding.weight": (64,),
+              "mtp.pre_fc_norm_hidden.weight": (64,), "mtp.norm.weight": (64,),
+              "mtp.layers.0.self_attn.q_proj.weight": (128, 64),
+              "mtp.layers.0.mlp.experts.0.gate_proj.weight": (32, 64),
+              "mtp.layers.0.mlp.experts.gate_up_proj": (8, 64, 64), "mtp.layers.0.mlp.experts.down_proj": (8, 64, 32)}
+
+
+def test_mtp_tensors_ignored(qwen3_5, tmp_path):
+    """MTP tensors beside the text weights are not loaded, and fused ones do not make the per-expert main layers
+    read as fused."""
+    path, model = qwen3_5
+    tensors = load_file(str(path / "model.safetensors"))
+    gen = torch.Generator().manual_seed(5)
+    save_file(tensors | {name: torch.randn(shape, generator=gen) for name, shape in MTP_SHAPES.items()},
+              str(tmp_path / "model.safetensors"))
+    shutil.copy(path / "config.json", tmp_path / "config.json")
+    llm = make_llm(tmp_path)
+    assert not llm.config.moe.has_fused_storage
+    check_parity(model, llm, "with MTP tensors", lengths=(7, 33))
+
+
 # --- the engine's state slots ---
-
-
-def _solo(llm, prompts, max_tokens):
-    engine = Engine(llm, max_num_batched_tokens=MAX_MODEL_LEN, max_num_seqs=1)
-    try:
-        return [engine.generate([p], max_tokens=max_tokens, ignore_eos=True)[0] for p in prompts]
-    finally:
-        engine.close()
-
-
-def _run(engine, prompts, max_tokens, on_step=None):
-    ids = [engine.add_request(p, max_tokens=max_tokens, ignore_eos=True) for p in prompts]
-    for _ in range(2000):
-        if not engine.has_work():
-            break
-        engine.step()
-        if on_step is not None:
-            on_step(engine)
-    return [engine.requests.pop(i).output_ids for i in ids]
 
 
 def _slots_match_running(engine):
@@ -198,10 +233,10 @@ def _slots_match_running(engine):
 
 def test_batched_chunked_prefill_gives_solo_tokens(next_llm):
     prompts = [random_prompt(n, seed=n) for n in (5, 60, 130, 17)]
-    solo = _solo(next_llm, prompts, 12)
+    solo = solo_tokens(next_llm, prompts, 12)
     engine = Engine(next_llm, max_num_batched_tokens=CHUNK, max_num_seqs=4)
     try:
-        assert _run(engine, prompts, 12, _slots_match_running) == solo
+        assert run_together(engine, prompts, 12, _slots_match_running) == solo
         stats = engine.stats()
         assert stats.num_free_state_slots == stats.num_state_slots == 4
     finally:
@@ -211,13 +246,13 @@ def test_batched_chunked_prefill_gives_solo_tokens(next_llm):
 def test_preemption_frees_slots_and_recomputes(qwen3_next):
     llm = make_llm(qwen3_next[0], kv_cache_tokens=MAX_MODEL_LEN)  # 16 pages: two 140-token requests need 18
     prompts = [random_prompt(110, seed=s) for s in (1, 2, 3)]
-    solo = _solo(llm, prompts, 30)
+    solo = solo_tokens(llm, prompts, 30)
     engine = Engine(llm, max_num_batched_tokens=CHUNK, max_num_seqs=3)
     preempted = []
     preempt = engine.scheduler.preempt
     engine.scheduler.preempt = lambda r: (preempted.append(r.request_id), preempt(r))
     try:
-        assert _run(engine, prompts, 30, _slots_match_running) == solo
+        assert run_together(engine, prompts, 30, _slots_match_running) == solo
         assert preempted
         assert engine.stats().num_snapshot_hits  # a preempted request resumed from its own state snapshot
         assert engine.stats().num_free_state_slots == engine.stats().num_state_slots
@@ -227,7 +262,7 @@ def test_preemption_frees_slots_and_recomputes(qwen3_next):
 
 def test_cancel_frees_the_slot(next_llm):
     prompts = [random_prompt(30, seed=7), random_prompt(12, seed=8)]
-    solo = _solo(next_llm, prompts[1:], 8)
+    solo = solo_tokens(next_llm, prompts[1:], 8)
     engine = Engine(next_llm, max_num_batched_tokens=CHUNK, max_num_seqs=2)
     try:
         first, second = (engine.add_request(p, max_tokens=8, ignore_eos=True) for p in prompts)
@@ -246,7 +281,7 @@ def test_cancel_frees_the_slot(next_llm):
 def test_exhausted_slot_pool_queues_requests(qwen3_next):
     llm = make_llm(qwen3_next[0], max_num_seqs=2)  # two state slots
     prompts = [random_prompt(n, seed=n) for n in (9, 14, 3, 22)]
-    solo = _solo(llm, prompts, 6)
+    solo = solo_tokens(llm, prompts, 6)
     engine = Engine(llm, max_num_batched_tokens=CHUNK, max_num_seqs=4)
     try:
         ids = [engine.add_request(p, max_tokens=6, ignore_eos=True) for p in prompts]
@@ -299,7 +334,8 @@ def test_kernel_path_matches_transformers(qwen3_next_kernel_dims):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_graph_decode_equals_eager(qwen3_next_kernel_dims):
     """Decode steps replayed as CUDA graphs read and write the recurrent states by slot (static slot buffers, padded
-    rows skipped): the graph engine generates what the eager engine does, batched with chunked prefill."""
+    rows skipped): the graph engine generates what the eager engine does over 100 steps, batched with chunked
+    prefill."""
     path, _ = qwen3_next_kernel_dims
     prompts = [random_prompt(n, seed=90 + n) for n in (1, 9, 21, 40)]  # a one-token prompt starts its state eagerly
     outputs = {}
@@ -307,7 +343,7 @@ def test_graph_decode_equals_eager(qwen3_next_kernel_dims):
         llm = make_llm(path, device="cuda", dtype="bfloat16", kernels="triton", cuda_graph=is_graph)
         engine = Engine(llm, max_num_batched_tokens=16, max_num_seqs=4)
         try:
-            outputs[is_graph] = engine.generate(prompts, max_tokens=24, ignore_eos=True)
+            outputs[is_graph] = engine.generate(prompts, max_tokens=100, ignore_eos=True)
             assert (engine.runner.graphs is not None and engine.runner.graphs.num_replays > 0) == is_graph
         finally:
             engine.close()

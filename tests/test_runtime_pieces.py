@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hybrid.block_manager import OutOfBlocks, PrefixCachingBlockManager, blocks_needed
-from hybrid.forward_batch import ForwardBatch, SequenceSlice
+from hybrid.forward_batch import ForwardBatch, SequenceSlice, table_array
 from hybrid.sampling import SamplingParams, sample
 
 
@@ -36,6 +36,15 @@ def test_forward_batch_positions_and_slots_cross_pages():
     assert batch.for_group(1) is second and second.for_group(0).slot_mapping is batch.slot_mapping
     with pytest.raises(ValueError, match="too short"):
         ForwardBatch.build([SequenceSlice(4, 1, [[0]])], block_size=4, device="cpu")
+
+
+def test_table_array_pads_and_reads_released_pages_as_zero():
+    """Ragged tables to one int32 array: zero padding, a page released from its window (-1) read as page 0."""
+    tables = [[-1, -1, 9, 4], [3], []]
+    array = table_array(tables)
+    assert array.dtype.name == "int32" and array.tolist() == [[0, 0, 9, 4], [3, 0, 0, 0], [0, 0, 0, 0]]
+    assert tables[0] == [-1, -1, 9, 4]  # the block manager's lists untouched
+    assert table_array([[], []]).shape == (2, 0)
 
 
 def test_greedy_and_filters():

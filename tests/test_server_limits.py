@@ -157,7 +157,8 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"
 def test_huge_prompts_do_not_stall_the_server(engine, tokenizer, server):
     """A 10 MB prompt (over the byte bound: refused untokenized) and a 1.2 MB one (under it: tokenized, in a
     worker thread, which takes most of a second) while /health is polled and a paced stream runs: neither waits
-    more than 100 ms."""
+    more than 300 ms (a stall is the tokenization's most of a second; a fresh-clone run on a loaded 2-core machine
+    measured 137 ms of scheduling delay without one)."""
     huge = "The quick brown fox jumps over the lazy dog. " * 230_000
     large = huge[:1_200_000]
     num_large_tokens = len(tokenizer.encode(large))
@@ -189,8 +190,8 @@ def test_huge_prompts_do_not_stall_the_server(engine, tokenizer, server):
         engine.step_seconds = 0.0
         engine.script = tokenizer.encode("ok", add_special_tokens=False)
     assert len(latencies) > 10 and len(gaps) > 30
-    assert max(latencies) < 0.1, sorted(latencies)[-5:]
-    assert max(gaps) < 0.02 + 0.1, sorted(gaps)[-5:]
+    assert max(latencies) < 0.3, sorted(latencies)[-5:]
+    assert max(gaps) < 0.02 + 0.3, sorted(gaps)[-5:]
 
 
 def test_token_byte_bound_holds_only_where_it_is_sound(tokenizer):

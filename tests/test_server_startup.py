@@ -125,6 +125,48 @@ def test_engine_loop_without_tokenizer():
     assert [(o.text, o.token_id) for o in outputs] == [("", 5), ("", 6), ("", 7)]
 
 
+def test_engine_loop_idles_once_when_the_work_runs_out():
+    """`engine.idle()` (where the hot experts move: `Engine.idle`) runs once each time the work runs out, before the
+    loop sleeps on its queue: never while a request runs or waits, not again when the stats logger's interval wakes
+    the loop, and not while a command is queued (a request sent as the last one ends starts without it)."""
+    engine = ScriptedEngine([5, 6, 7], max_num_seqs=1)  # one request at a time: the second waits
+    loop = EngineLoop(engine, None, 512, stats_log_interval=0.02)
+    events = []
+
+    def num_done() -> int:
+        return sum(isinstance(e, Output) and e.finish_reason is not None for e in events)
+
+    def wait_until(condition) -> None:
+        deadline = time.monotonic() + 10
+        while not condition():
+            assert time.monotonic() < deadline, "timed out"
+            time.sleep(0.01)
+
+    def send_another(event) -> None:  # called on the engine's thread as the request's events come
+        events.append(event)
+        if isinstance(event, Output) and event.finish_reason is not None:
+            loop.submit(GenerateJob([3], None, 8, events.append))
+
+    loop.start()
+    try:
+        engine.gate.clear()  # the first step waits: both requests are in before any finishes
+        for _ in range(2):
+            loop.submit(GenerateJob([1, 2], None, 8, events.append))
+        time.sleep(0.05)
+        assert engine.idle_calls == []  # a new engine had nothing to catch up on
+        engine.gate.set()
+        wait_until(lambda: engine.idle_calls)
+        assert num_done() == 2
+        time.sleep(0.1)  # the stats line's interval ends meanwhile: the loop wakes, logs, sleeps again
+        assert engine.idle_calls == [False]
+        loop.submit(GenerateJob([1, 2], None, 8, send_another))
+        wait_until(lambda: num_done() == 4 and len(engine.idle_calls) >= 2)
+        time.sleep(0.1)
+        assert engine.idle_calls == [False, False]  # [False] * 3: idle between the two, with a request queued
+    finally:
+        loop.stop()
+
+
 # --- 2. the context length -----------------------------------------------------------------------------------------
 
 def test_context_length_above_the_model_limit(model_dir, capsys):

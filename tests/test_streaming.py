@@ -144,8 +144,9 @@ def test_streamed_layer_matches_the_cpu_operator(dtype, group_size):
     assert close(on_device(streamed, hidden, ids, weights), module.op(hidden, ids, weights))
 
 
-@pytest.mark.parametrize("dtype,group_size,is_w8a8", [("int8", 0, False), ("bf16", 0, False), ("int8", 0, True),
-                                                      ("int8", 32, True), ("mxfp4", 32, False)])  # mxfp4: as published
+@pytest.mark.parametrize("dtype,group_size,is_w8a8", [
+    ("int8", 0, False), ("int4", 32, False), ("bf16", 0, False), ("fp8", 32, False), ("mxfp4", 32, False),
+    ("nvfp4", 16, False), ("int8", 0, True), ("int8", 32, True)])  # mxfp4: as published
 def test_streamed_gpt_oss_layer_keeps_its_activation_and_biases(dtype, group_size, is_w8a8):
     """gpt-oss's experts streamed: the clamped activation and the gate/up biases in every unit, the down bias once
     per expert (units of both partitions add up), as the CPU operator computes them (W8A8: to its tolerance)."""

@@ -55,11 +55,20 @@ class Router(_HoldsCorrectionBias):
     def forward(self, x: torch.Tensor, correction_bias: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """`correction_bias`: the block's, where the block holds it (else the router's own is used)."""
-        weights, ids = self._route(x, self.e_score_correction_bias if correction_bias is None else correction_bias)
+        weights, ids = self.route(x, correction_bias)
+        self.record(ids)
+        return weights, ids
+
+    def route(self, x: torch.Tensor, correction_bias: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` without the recording: a block that records later (`SparseMoE`) calls `record` itself."""
+        return self._route(x, self.e_score_correction_bias if correction_bias is None else correction_bias)
+
+    def record(self, ids: torch.Tensor) -> None:
+        """The routing counts, when recording (`hybrid.placement.RoutingRecorder`)."""
         if self.recorder is not None:
             recorder, layer_idx = self.recorder
             recorder.add(layer_idx, ids)
-        return weights, ids
 
     def _is_fused(self, x: torch.Tensor) -> bool:
         """Decode-sized steps on the kernels' ops: the GEMV and the top-k in one launch (larger steps: two)."""
@@ -255,13 +264,17 @@ class SparseMoE(_HoldsCorrectionBias):
         self.deferral, self.is_deferring = deferral, is_deferring
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        topk_weights, topk_ids = self.gate(x, self.e_score_correction_bias)
+        topk_weights, topk_ids = self.gate.route(x, self.e_score_correction_bias)
+        routed_ids = topk_ids
         carried = self.deferral.collect() if self.deferral is not None else None
         deferred_ids = None
         if self.is_deferring:
             topk_ids, deferred_ids = ExpertDeferral.split(topk_ids, topk_weights, self.deferral.num_deferred)
         # the routed experts' submit/collect protocol (`hybrid.routed_experts`): the shared expert runs between
         self.experts.submit(x, topk_ids, topk_weights)
+        # counted once the CPU has its tokens: in a graph step the counting kernels then run while the CPU computes,
+        # not on the way to the hand-off (hot experts record every step)
+        self.gate.record(routed_ids)
         shared = self._shared(x)
         out = self.experts.collect(like=x)
         if deferred_ids is not None:  # runs on the CPU while the next layer's attention runs on the GPU

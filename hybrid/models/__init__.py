@@ -19,7 +19,13 @@ from hybrid.models.kimi import KimiK25ForConditionalGeneration
 from hybrid.models.mimo_v2_flash import MiMoV2FlashForCausalLM
 from hybrid.models.minimax import MiniMaxM2ForCausalLM
 from hybrid.models.mixtral import MixtralForCausalLM
-from hybrid.models.qwen3_next import Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration, Qwen3NextForCausalLM
+from hybrid.models.qwen3_next import (
+    Qwen3_5ForCausalLM,
+    Qwen3_5ForConditionalGeneration,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeForConditionalGeneration,
+    Qwen3NextForCausalLM,
+)
 from hybrid.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[MoECausalLM]] = {
@@ -39,6 +45,8 @@ MODEL_REGISTRY: dict[str, type[MoECausalLM]] = {
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,  # Qwen3-Next-80B-A3B
     "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeForConditionalGeneration,  # Qwen3.5/3.6-MoE as released
     "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,  # Qwen3.5-MoE, text only
+    "Qwen3_5ForConditionalGeneration": Qwen3_5ForConditionalGeneration,  # dense Qwen3.5 as released (no experts)
+    "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,  # dense Qwen3.5, text only
 }
 SUPPORTED_ARCHITECTURES = tuple(sorted(MODEL_REGISTRY))
 
@@ -62,13 +70,8 @@ def load_model_config(checkpoint_dir: str | Path) -> tuple[type[MoECausalLM], Mo
 
 
 def validate(config: ModelConfig, source: str) -> None:
-    moe = config.moe
     checks = [
-        (moe.top_k <= moe.num_experts, f"num_experts_per_tok {moe.top_k} exceeds the {moe.num_experts} experts"),
-        (moe.num_experts % moe.num_groups == 0, f"n_group {moe.num_groups} does not divide {moe.num_experts} experts"),
-        (moe.topk_group <= moe.num_groups, f"topk_group {moe.topk_group} exceeds n_group {moe.num_groups}"),
-        (moe.group_score != "top2_sum" or moe.num_experts // moe.num_groups >= 2,
-         "grouped routing needs at least 2 experts per group"),
+        (config.moe is not None or not any(config.moe_layers), "routed-expert layers without a MoE config"),
         (len(config.layers) == config.num_layers,
          f"{len(config.layers)} layer specs for num_hidden_layers {config.num_layers}"),
         (all((spec.mlp == "moe") == is_moe for spec, is_moe in zip(config.layers, config.moe_layers, strict=False)),
@@ -76,6 +79,16 @@ def validate(config: ModelConfig, source: str) -> None:
         (all(spec.attention.num_heads % spec.attention.num_kv_heads == 0 for spec in config.layers),
          "num_attention_heads must be a multiple of num_key_value_heads"),
     ]
+    moe = config.moe
+    if moe is not None:
+        checks += [
+            (moe.top_k <= moe.num_experts, f"num_experts_per_tok {moe.top_k} exceeds the {moe.num_experts} experts"),
+            (moe.num_experts % moe.num_groups == 0,
+             f"n_group {moe.num_groups} does not divide {moe.num_experts} experts"),
+            (moe.topk_group <= moe.num_groups, f"topk_group {moe.topk_group} exceeds n_group {moe.num_groups}"),
+            (moe.group_score != "top2_sum" or moe.num_experts // moe.num_groups >= 2,
+             "grouped routing needs at least 2 experts per group"),
+        ]
     for ok, message in checks:
         if not ok:
             raise ConfigError(f"{source}: {message}")

@@ -172,8 +172,11 @@ class GptOssForCausalLM(MoECausalLM):
     expert_activation = SWIGLU_OAI  # the CPU experts' (`hybrid.direct_experts`, `convert`)
     has_expert_bias = True
     is_cpu_experts = False  # set by `_make_ff` when the layers' experts are `CpuExperts`
-    # the device's experts beside the CPU operator's run through the fused-MoE kernel, which has neither the
-    # clamped SwiGLU nor the expert biases: every expert on the CPU operator, or all on the device
+    # every expert on the CPU operator, or all on the device (`GptOssExperts`: fused MoE with the clamped SwiGLU and
+    # the biases): GPU-resident experts beside the CPU operator's are `RoutedExperts` slots, which hold gate/up/down
+    # weights only and compute SiLU without biases (their reference and their fused-MoE call), are loaded from
+    # per-expert or [E, 2I, H] tensors (not gpt-oss's interleaved [E, H, 2I] MXFP4 blocks), and hot experts copy no
+    # biases into them. The streamed prefill (`hybrid.streaming`) does take the activation and biases.
     has_resident_experts = False
 
     @classmethod

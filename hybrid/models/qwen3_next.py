@@ -1,6 +1,7 @@
-"""Qwen3-Next (`Qwen3NextForCausalLM`) and Qwen3.5/3.6-MoE (`Qwen3_5MoeForConditionalGeneration`, the released
-checkpoints, and the text-only `Qwen3_5MoeForCausalLM`), as transformers' `modeling_qwen3_next` and
-`modeling_qwen3_5_moe` compute them.
+"""Qwen3-Next (`Qwen3NextForCausalLM`), Qwen3.5/3.6-MoE (`Qwen3_5MoeForConditionalGeneration`, the released
+checkpoints, and the text-only `Qwen3_5MoeForCausalLM`) and the dense Qwen3.5 (`Qwen3_5ForConditionalGeneration`,
+`Qwen3_5ForCausalLM`: the same layers with one gated MLP each, no routed experts), as transformers'
+`modeling_qwen3_next`, `modeling_qwen3_5_moe` and `modeling_qwen3_5` compute them.
 
 - Layers are `linear_attention` (a Gated DeltaNet, `hybrid.layers.delta_net`, with a per-sequence state slot)
   except every `full_attention_interval`-th (4), or as `layer_types` lists them. Qwen3-Next projects the GDN input
@@ -32,6 +33,7 @@ from hybrid.config import (
     LayerSpec,
     LinearAttentionConfig,
     ModelConfig,
+    MoEConfig,
     RawConfig,
     common_fields,
     gqa_attention,
@@ -50,6 +52,7 @@ LINEAR, FULL = "linear_attention", "full_attention"
 DEFAULT_FULL_INTERVAL = 4
 DEFAULT_PARTIAL_ROTARY = 0.25
 FUSED_EXPERT_SUFFIX = ".mlp.experts.gate_up_proj"
+RELEASED_PREFIXES = (("model.language_model.", "model."),)  # the released Qwen3.5's text weights
 
 
 def parse_layer_types(raw: RawConfig, num_layers: int) -> tuple[str, ...]:
@@ -83,8 +86,9 @@ def parse_linear(raw: RawConfig, projection: str) -> LinearAttentionConfig:
 
 
 def has_fused_experts(checkpoint_dir: Path | None) -> bool:
-    """Whether the checkpoint stores its experts fused (`...mlp.experts.gate_up_proj`): read from the shard index,
-    else the single file's header."""
+    """Whether the checkpoint stores its main layers' experts fused (`model.[language_model.]layers.N.mlp.experts.
+    gate_up_proj`): read from the shard index, else the single file's header. The MTP layer's (`mtp.*`, fused in
+    Qwen3.6) do not count: they say nothing about the main layers' storage."""
     if checkpoint_dir is None:
         return False
     index = checkpoint_dir / "model.safetensors.index.json"
@@ -97,7 +101,7 @@ def has_fused_experts(checkpoint_dir: Path | None) -> bool:
                 names.update(dict.fromkeys(read_header(file)[0]))
     except (OSError, ValueError, HybridError):
         return False  # the loader reports an unreadable checkpoint with its file name
-    return any(name.endswith(FUSED_EXPERT_SUFFIX) for name in names)
+    return any(name.startswith("model.") and name.endswith(FUSED_EXPERT_SUFFIX) for name in names)
 
 
 class Qwen3NextForCausalLM(MoECausalLM):
@@ -115,14 +119,11 @@ class Qwen3NextForCausalLM(MoECausalLM):
         rope = parse_rope(raw, attention.head_dim, is_interleaved=False, default_partial=DEFAULT_PARTIAL_ROTARY)
         linear = parse_linear(raw, cls.gdn_projection)
         moe_layers = cls._moe_layers(raw)
-        shared = raw.int("shared_expert_intermediate_size", 0, minimum=0)
-        moe = replace(_qwen_moe(raw), norm_topk_prob=cls._norm_topk_prob(raw), shared_intermediate_size=shared,
-                      has_shared_gate=shared > 0, has_fused_storage=has_fused_experts(checkpoint_dir))
         return ModelConfig(
             **common_fields(raw, checkpoint_dir),
             attention=attention,
             rope=rope,
-            moe=moe,
+            moe=cls._moe(raw, checkpoint_dir) if any(moe_layers) else None,
             moe_layers=moe_layers,
             layer_specs=tuple(LayerSpec(attention, rope, "moe" if is_moe else "dense",
                                         linear if kind == LINEAR else None)
@@ -133,6 +134,12 @@ class Qwen3NextForCausalLM(MoECausalLM):
     @classmethod
     def _moe_layers(cls, raw: RawConfig) -> tuple[bool, ...]:
         return _qwen_moe_layers(raw)
+
+    @classmethod
+    def _moe(cls, raw: RawConfig, checkpoint_dir: Path | None) -> MoEConfig:
+        shared = raw.int("shared_expert_intermediate_size", 0, minimum=0)
+        return replace(_qwen_moe(raw), norm_topk_prob=cls._norm_topk_prob(raw), shared_intermediate_size=shared,
+                       has_shared_gate=shared > 0, has_fused_storage=has_fused_experts(checkpoint_dir))
 
     @classmethod
     def _norm_topk_prob(cls, raw: RawConfig) -> bool:
@@ -170,17 +177,46 @@ class Qwen3_5MoeForCausalLM(Qwen3NextForCausalLM):
         return True
 
 
-
 class Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeForCausalLM):
     """The released Qwen3.5/3.6-MoE: text weights under `model.language_model.*`, served as text only."""
 
-    checkpoint_prefixes = (("model.language_model.", "model."),)
+    checkpoint_prefixes = RELEASED_PREFIXES
 
     @classmethod
     def parse_config(cls, raw: RawConfig, checkpoint_dir=None) -> ModelConfig:
-        text = wrapped_text_config(raw, "the text model's settings, as Qwen3.5 publishes them")
-        config = super().parse_config(text, checkpoint_dir)
-        if raw.has("vision_config"):
-            log.warning("%s: the Qwen3.5 vision tower (model.visual.*) is not loaded: image and video inputs are not "
-                        "supported, text only", raw.source)
-        return config
+        return parse_released(super().parse_config, raw, checkpoint_dir)
+
+
+class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
+    """The dense Qwen3.5, text only (`model.*`, `lm_head.*`): Qwen3.5-MoE's Gated DeltaNet and gated attention
+    layers with one gated MLP (`mlp.gate_proj` / `up_proj` / `down_proj`, `intermediate_size`) on every layer and no
+    routed experts, so nothing is placed on the CPU operator."""
+
+    ignored_tensor_patterns = Qwen3_5MoeForCausalLM.ignored_tensor_patterns
+    gdn_projection = "qkv_z_b_a"
+
+    @classmethod
+    def _moe_layers(cls, raw: RawConfig) -> tuple[bool, ...]:
+        return (False,) * raw.int("num_hidden_layers")
+
+
+class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
+    """The released dense Qwen3.5 (Qwen3.5-27B and the smaller ones): text weights under `model.language_model.*`,
+    served as text only."""
+
+    checkpoint_prefixes = RELEASED_PREFIXES
+
+    @classmethod
+    def parse_config(cls, raw: RawConfig, checkpoint_dir=None) -> ModelConfig:
+        return parse_released(super().parse_config, raw, checkpoint_dir)
+
+
+def parse_released(parse_text, raw: RawConfig, checkpoint_dir: Path | None) -> ModelConfig:
+    """A released Qwen3.5 config.json: its `text_config` parsed by `parse_text` (the text-only class's parser); the
+    vision tower it describes is not loaded, which a log line says."""
+    text = wrapped_text_config(raw, "the text model's settings, as Qwen3.5 publishes them")
+    config = parse_text(text, checkpoint_dir)
+    if raw.has("vision_config"):
+        log.warning("%s: the Qwen3.5 vision tower (model.visual.*) is not loaded: image and video inputs are not "
+                    "supported, text only", raw.source)
+    return config
