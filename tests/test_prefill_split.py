@@ -280,9 +280,10 @@ def test_other_formats_split_alike(dtype, group_size):
 def test_a_split_w8a8_step_gives_the_all_cpu_layer_to_summation_order(dtype, group_size):
     """W8A8 experts: the streamed ones (packed units, `acquire_rows`) round their rows to int8 as the CPU operator
     does, so the split step's output is the all-CPU layer's to float32 summation order, far inside bf16's bound."""
-    hidden, ids, weights = (t.to(DEVICE) for t in routed())  # on the GPU where there is one: the streamed kernel
-    want = split_layer(0.5, 0, dtype=dtype, group_size=group_size, is_w8a8=True)(hidden, ids, weights)
-    module = split_layer(0.5, 1, dtype=dtype, group_size=group_size, is_w8a8=True)
+    # on the GPU where there is one (inputs and the layer's resident expert): the streamed units' kernel
+    hidden, ids, weights = (t.to(DEVICE) for t in routed())
+    want = split_layer(0.5, 0, dtype=dtype, group_size=group_size, is_w8a8=True).to(DEVICE)(hidden, ids, weights)
+    module = split_layer(0.5, 1, dtype=dtype, group_size=group_size, is_w8a8=True).to(DEVICE)
     assert module.streamed.is_w8a8 and module.streamed.takes(hidden)
     assert equal_but_rare_flips(module(hidden, ids, weights), want)
     assert module.streamed.num_split_experts == [2, 3]
