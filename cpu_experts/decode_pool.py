@@ -17,13 +17,16 @@ Protocol (the device side is unchanged: `hybrid.cpu_handoff.GraphHandoff` on the
    posts done = layer + 1.
 Numerics: the executor's kernels' own loop bodies (`kernels_vnni.gate_up_item_int8`, `down_row_int8`;
 `kernels_vnni_int4.gate_up_rows_int4`, `down_rows_int4`), so a graph step served here equals one served by the
-executor, bit for bit. Scope: W8A8 int8 or int4 experts (int4 scales float32 or bfloat16), one format for all the
-pool's layers, on the integer kernels (`CpuMoE.is_vnni`), steps below every layer's prefill threshold (`serves`);
-other steps stay with the `FlagWorker`.
+executor, bit for bit. Scope: the layers whose decode kernel is one of the pool's (`kernel_table.POOL_DECODE`:
+W8A8 int8 or int4 on the integer kernels, int4 scales float32 or bfloat16; FP8, MXFP4, NVFP4), one format for all
+the pool's layers, steps below every layer's prefill threshold (`serves`); other steps stay with the `FlagWorker`.
+Eager steps the pool `serves` come through the executor (`AsyncExperts.decode_pool`): `call` posts one layer from
+the host as the graph would, so a decode step computes the same whether it was replayed or run eagerly.
 
-Idle: a thread that sees no step for `IDLE_SECONDS` (or is `park`ed, before an eager step) returns to Python and
-sleeps until the next `arm`; spinning past `decode_pool_sync.SPINS_BEFORE_YIELD` it yields its CPU at every turn,
-so an oversubscribed machine still makes progress (the control block and the waits: `cpu_experts.decode_pool_sync`).
+Idle: a thread that sees no step for `IDLE_SECONDS` (or is `park`ed, before an eager step it does not serve)
+returns to Python and sleeps until the next `arm`; spinning past `decode_pool_sync.SPINS_BEFORE_YIELD` it yields
+its CPU at every turn, so an oversubscribed machine still makes progress (the control block and the waits:
+`cpu_experts.decode_pool_sync`).
 """
 
 from __future__ import annotations
@@ -95,13 +98,16 @@ from cpu_experts.decode_pool_sync import (
     _share,
     _wait_request,
     _wait_step,
+    wait_done,
 )
 from cpu_experts.executor import CpuExpertsError
-from cpu_experts.flag_worker import FlagWorker
+from cpu_experts.flag_worker import DONE, REQUEST, FlagWorker
 from cpu_experts.kernels import ACT_KINDS, quantize_row
 from cpu_experts.kernels_vnni import _block_sums, down_row_int8, gate_up_item_int8
 from cpu_experts.operator import CpuMoE, _route
 from cpu_experts.topology import pin_current_thread
+
+EAGER_TIMEOUT_SECONDS = 30.0  # an eager layer not served by then is reported (`call`), as a graph step's would be
 
 # ---- one layer ---------------------------------------------------------------------------------------------------
 
@@ -254,17 +260,19 @@ def _serve(tid, num_threads, ctl, flags, seen, idle_cycles, hidden, ids, weights
 # ---- the pool ----------------------------------------------------------------------------------------------------
 
 def supports(op: CpuMoE) -> bool:
-    """Whether the pool can serve this layer's decode steps: W8A8 int8 or int4 on the integer kernels, or a float
-    format (FP8, MXFP4, NVFP4) on its decode kernels; silu or another activation with biases (gpt-oss)."""
+    """Whether the pool can serve this layer's decode steps: its decode kernel is one of the pool's
+    (`kernel_table.POOL_DECODE`: W8A8 int8 or int4 on the integer kernels, or a float format on its decode
+    kernels); silu or another activation with biases (gpt-oss)."""
     if not op.layer.partitions:  # a tensor-parallel rank with an empty slice of I: the worker serves its zeros
         return False
-    return op.spec.dtype in FLOAT_KINDS or op.spec.dtype in ("int8", "int4") and op.is_w8a8 and op.is_vnni
+    return op.kernels.is_pool_decode
 
 
 def _kind(op: CpuMoE) -> int:
-    if op.spec.dtype in FLOAT_KINDS:
-        return FLOAT_KINDS[op.spec.dtype]
-    if op.spec.dtype == "int8":
+    decode = op.kernels.decode
+    if decode in FLOAT_KINDS:
+        return FLOAT_KINDS[decode]
+    if decode == "int8-vnni":
         return INT8
     return INT4_BF16 if op.spec.scale_dtype == "bfloat16" else INT4
 
@@ -303,6 +311,7 @@ class DecodePool:
         self._raw = raw
         self._cycles_per_second = _cycle_rate()
         self._idle_cycles = int(idle_seconds * self._cycles_per_second)
+        self._timeout_cycles = int(EAGER_TIMEOUT_SECONDS * self._cycles_per_second)
         self._expected = 0
         self._armed = False
         self._cond = threading.Condition()
@@ -346,6 +355,24 @@ class DecodePool:
             value = self._get(ERROR_VALUE)
             what = "no experts in the decode pool" if value == NO_EXPERTS else f"topk_ids holds expert {value}"
             raise CpuExpertsError(f"CPU experts failed at layer {layer - 1}: {what}")
+
+    def call(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+             out: torch.Tensor) -> None:
+        """One layer of an eager step, served as a graph step's is: the rows copied into the hand-off's buffers,
+        the request posted and done awaited here, on the host (the executor's thread, `AsyncExperts`, which arms
+        the pool; never while a graph step is in flight). `out` [T, H] receives the layer's output."""
+        num_tokens, worker = hidden.shape[0], self.worker
+        for buffer, tensor in ((worker.hidden_buffer, hidden), (worker.ids_buffer, topk_ids),
+                               (worker.weights_buffer, topk_weights)):
+            if buffer.data_ptr() != tensor.data_ptr():
+                buffer[:num_tokens].copy_(tensor)
+        self.arm(num_tokens, 1)
+        worker.flags[DONE] = 0
+        worker.flags[REQUEST] = layer + 1  # the threads see it once they have read the step armed above
+        wait_done(self.ctl.ctypes.data, worker.flag_address(0), self._timeout_cycles)
+        worker.flags[DONE] = 0
+        self.finish_step()  # raises if the layer failed or was not served
+        out.copy_(worker.out_buffer[:num_tokens])
 
     def park(self) -> None:
         """Ends the threads' idle spinning now (an eager step's kernels want the CPUs)."""

@@ -85,6 +85,18 @@ def _wait_request(ctl, flags, generation):
 
 
 @njit(nogil=True, cache=True)
+def wait_done(ctl, flags, max_cycles):
+    """The done flag once posted, or 0 after `max_cycles` or when the pool stops: the host's wait for an eager
+    layer (`DecodePool.call`), yielding its CPU at every turn to the pool's threads that may share it."""
+    deadline = cycles() + max_cycles
+    while True:
+        value = load_acquire32(flags + _DONE_OFFSET)
+        if value != 0 or load_acquire64(ctl + STOP * _LINE) or cycles() > deadline:
+            return value
+        sched_yield()
+
+
+@njit(nogil=True, cache=True)
 def _finish_layer(ctl, flags, value, num_threads, epoch):
     """Arrive at the layer's end; the last thread clears the request, counts the layer and posts done."""
     if fetch_add64(ctl + FINISHED * _LINE, 1) == num_threads - 1:

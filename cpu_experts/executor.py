@@ -15,6 +15,9 @@ Contract:
   same stream, a non-blocking copy of the previous `out_buffer` result issued on that stream is finished before
   the worker overwrites it. Copies made on other streams are the caller's to order.
 - `submit`/`sync`/`close` are meant to be called from one thread (the engine's); they are not reentrant.
+- `decode_pool`, once the engine sets it (`hybrid.cuda_graphs`): steps it `serves` (decode-sized) run on its pinned
+  threads instead of `compute` (`DecodePool.call`), eager steps as graph steps do; the same kernels' loop bodies,
+  so the results are the same bit for bit.
 - `SyncExperts` has the same API and runs `compute` inline inside `submit` (debugging, comparisons).
 """
 
@@ -69,6 +72,9 @@ class _ExpertsBase:
         self._error: BaseException | None = None  # the compute error sync() reports
         # total seconds in compute (on the thread that runs it; read once the layer is synced), for the metrics
         self.compute_seconds = 0.0
+        # the engine's decode pool (`cpu_experts.decode_pool.DecodePool`), once it has one: it serves the layers of
+        # the steps it `serves`, eager as well as graph steps; `compute` the rest
+        self.decode_pool = None
 
     def _validate(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> int:
         """Check shapes, dtypes and devices; return T."""
@@ -117,8 +123,10 @@ class _ExpertsBase:
     def _run(self, layer: int, num_tokens: int) -> None:
         """Run compute on views of the fixed buffers (its seconds added to `compute_seconds`, failed or not)."""
         start = time.perf_counter()
+        pool = self.decode_pool
+        run = pool.call if pool is not None and pool.serves(num_tokens) else self.compute
         try:
-            self.compute(
+            run(
                 layer,
                 self.hidden_buffer[:num_tokens],
                 self.ids_buffer[:num_tokens],

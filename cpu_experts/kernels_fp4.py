@@ -13,7 +13,9 @@ into even and odd columns (`split_bf16`), so the low nibbles meet x_even and the
 chunk is one MXFP4 group or two NVFP4 groups; its 16 products are scaled by a vector of the groups' scales (halved,
 for the doubled codes) taken from 256-entry tables indexed by the scale byte. E8M0's scale 2^(s - 128) is applied as
 two normal factors 2^floor((s - 128) / 2) and 2^ceil((s - 128) / 2), never as the subnormal 2^-128 or 2^-127: exact
-wherever the result is a normal float, and unaffected by a flush-to-zero mode that some library may have set.
+wherever the result is a normal float, and unaffected by a flush-to-zero mode that some library may have set. On
+AVX-512 the lookup yields value * scale directly (`kernels_fp4_ir.scaled_tables`: the exact dequantized weights), so
+the scale multiply disappears; E8M0 bytes 0 and 1, whose tables would hold subnormals, keep the factors.
 `pshufb` is SSSE3, present on every x86-64 CPU with AVX2; elsewhere the nibbles decode arithmetically in generic IR
 (`decode_mode`). Gate and up rows run in one call, down four rows a call, over ranges of work items
 (`gate_up_rows_*`, `down_rows_*`). Vector widths are LLVM's choice for the host (two ymm or one zmm a chunk):

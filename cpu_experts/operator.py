@@ -7,19 +7,21 @@ up x + b_u)) + b_d (`ExpertActivation`; every kernel through `kernels.activation
 the matmul and added once per call, after the partitions' sums: `kernels.add_down_bias`).
 
 Per call, the (token, slot) pairs are grouped by expert (`route`), then each partition of I computes its partial
-output and the partials are summed. Two paths, chosen per call by token count:
-- decode (few tokens): the numba kernels stream each routed expert's quantized rows once, dequantizing in
-  registers (`cpu_experts.kernels`; the float formats', on bf16 activations, in `FLOAT_DECODE`:
-  `cpu_experts.kernels_fp8`, `kernels_fp4`);
-- prefill (many tokens, `prefill_min_tokens` or more, and bf16 experts at any count): matmuls grouped by expert,
-  one driver (`cpu_experts.prefill.Prefill`) over a GEMM backend. Per-channel int8 experts multiply int8 x int8:
-  our AMX grouped GEMM where the CPU has AMX (`cpu_experts.prefill_amx`), else oneDNN per expert
-  (`cpu_experts.prefill_int8`); int4 and grouped int8 on AMX: `cpu_experts.prefill_amx_grouped`. The float formats
-  multiply bf16 x bf16 on AMX-BF16 (`cpu_experts.prefill_amx_float`). Other experts are each dequantized once per
-  call and multiplied by PyTorch (`prefill.DequantBackend`). Which backend a layer takes is decided once, in
-  `select_prefill`.
-The float formats (FP8) compute on bfloat16 activations whatever `int8_activations` says: each matmul's input is
-rounded to bf16 on both paths, products and sums in float32 (the format's published contract).
+output and the partials are summed. Which kernels a layer runs is decided once, when it is built, by
+`cpu_experts.kernel_table.select` from its format and the CPU's features (`self.kernels`). Two drivers, chosen per
+call by token count:
+- decode (few tokens, below `prefill_min_tokens`): `decode` prepares the rows once for the layer's item kernel
+  (`DECODE_KERNELS`: int8 rows for the VNNI kernels to quantize, rounded rows for their float forms, bf16 rows for
+  the float formats), then runs it partition by partition; each streams every routed expert's rows once,
+  dequantizing in registers. In the engine the decode pool's pinned threads run the same loop bodies
+  (`cpu_experts.decode_pool`), for graph and eager decode steps;
+- prefill (many tokens, and bf16 experts at any count): one driver (`cpu_experts.prefill.Prefill`: activations
+  prepared once, per partition gate_up -> act -> down into one output) over the layer's GEMM backend
+  (`make_prefill`): AMX-INT8 (`prefill_amx`, `prefill_amx_grouped`), AMX-BF16 for the float formats
+  (`prefill_amx_float`), oneDNN for per-channel int8 (`prefill_int8`), else each routed expert dequantized and
+  multiplied by PyTorch (`prefill.DequantBackend`).
+The float formats compute on bfloat16 activations whatever `int8_activations` says: each matmul's input is rounded
+to bf16 on both paths, products and sums in float32 (the format's published contract).
 """
 
 from __future__ import annotations
@@ -40,23 +42,10 @@ from cpu_experts import (
     prefill_amx_float,
     prefill_amx_grouped,
 )
+from cpu_experts.kernel_table import CpuFeatures, ExpertKernels, select
 from cpu_experts.packed import PackedLayer
 from cpu_experts.prefill import DequantBackend, Prefill, Workspace
 from cpu_experts.prefill_int8 import OneDnnInt8Backend
-
-# Token counts from which the prefill path runs, per expert dtype, where the two paths measured even on the
-# 16-core Xeon (docs/benchmarks.md); int4 prefill dequantizes every routed expert, so its decode kernels win longer.
-# The float formats' prefill dequantizes every routed expert to float32: on the 2-core AVX-512 development machine
-# the paths measured even at ~700 tokens on qwen3-30b-a3b (fp8 at 512: decode 383 ms, prefill 472 ms) and ~160-200
-# on `hybrid-bench cpu-moe`'s "small".
-PREFILL_MIN_TOKENS = {"int8": 64, "int4": 512, "bf16": 0, "fp8": 512, "mxfp4": 512, "nvfp4": 512}
-# On AMX (`cpu_experts.prefill_amx`, `prefill_amx_grouped`): from here the grouped GEMM beats the decode kernels.
-# The float formats' (`prefill_amx_float`, AMX-BF16): a first guess, not yet measured on the Xeon (issue 19).
-AMX_PREFILL_MIN_TOKENS = {"int8": 8, "int4": 32, "fp8": 32, "mxfp4": 32, "nvfp4": 32}
-# The float formats' decode kernels (bf16 activations, never W8A8), one partition a call: (x, routing, part, spec,
-# epilogue, out), x already rounded to bf16.
-FLOAT_DECODE = {"fp8": kernels_fp8.decode_partition_fp8, "mxfp4": kernels_fp4.decode_partition_mxfp4,
-                "nvfp4": kernels_fp4.decode_partition_nvfp4}
 
 
 @dataclass(frozen=True)
@@ -115,21 +104,26 @@ class CpuMoE:
     scale (W8A8), on both paths, so a token gets the same result whether it is decoded or prefilled; per-channel
     int8 experts then prefill as int8 x int8 (`cpu_experts.prefill_int8`). False keeps activations in float, exact to
     the converted weights, prefill slower. MXFP4 and NVFP4 experts ignore it: their inputs are rounded to bf16 (the
-    formats' contract, `cpu_experts.kernels_fp4`). `workspace`: scratch buffers, shareable by all layers of a model."""
+    formats' contract, `cpu_experts.kernels_fp4`). `workspace`: scratch buffers, shareable by all layers of a model.
+    `features`: what the kernels may use (`kernel_table.CpuFeatures`; None: this CPU's), the kernels chosen once,
+    here, by `kernel_table.select` (`self.kernels`)."""
 
     def __init__(self, layer: PackedLayer, prefill_min_tokens: int | None = None,
-                 int8_activations: bool = True, workspace: Workspace | None = None):
+                 int8_activations: bool = True, workspace: Workspace | None = None,
+                 features: CpuFeatures | None = None):
         self.layer = layer
         self.spec = layer.spec
-        self.is_w8a8 = self.spec.dtype not in ("bf16", *FLOAT_DECODE) and int8_activations
-        workspace = workspace or Workspace()
-        # a tensor-parallel rank whose slice of I is empty (`packed.rank_slice`) has no matmuls to choose for
-        self.prefill, is_amx = select_prefill(layer, workspace, self.is_w8a8) if layer.partitions else (None, False)
-        if prefill_min_tokens is None:
-            prefill_min_tokens = (AMX_PREFILL_MIN_TOKENS if is_amx else PREFILL_MIN_TOKENS)[self.spec.dtype]
-        self.prefill_min_tokens = prefill_min_tokens
-        self.is_vnni = self.is_w8a8 and kernels_vnni.has_vnni()  # integer decode kernels (same results)
+        self.kernels = select(layer, features or CpuFeatures.detect(), int8_activations, prefill_min_tokens)
+        self.prefill = make_prefill(self.kernels, layer, workspace or Workspace())
         self.epilogues = kernels.epilogues(layer)  # per partition (`kernels.activation`)
+
+    @property
+    def is_w8a8(self) -> bool:
+        return self.kernels.is_w8a8
+
+    @property
+    def prefill_min_tokens(self) -> int:
+        return self.kernels.prefill_min_tokens
 
     def __call__(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         self._check(hidden, topk_ids, topk_weights)
@@ -137,11 +131,20 @@ class CpuMoE:
         if not self.layer.partitions:  # an empty rank slice: nothing here but the down bias (rank 0 has a slice)
             zeros = torch.zeros(hidden.shape[0], self.spec.hidden_size)
             return self._with_bias(zeros, routing).to(hidden.dtype)
-        if self.spec.dtype != "bf16" and hidden.shape[0] < self.prefill_min_tokens:
-            decode = self._decode_float if self.spec.dtype in FLOAT_DECODE else \
-                self._decode_vnni if self.is_vnni else self._decode
-            return self._with_bias(torch.from_numpy(decode(_float32(hidden), routing)), routing).to(hidden.dtype)
+        if self.kernels.decode is not None and hidden.shape[0] < self.prefill_min_tokens:
+            out = torch.from_numpy(self.decode(_float32(hidden), routing))
+            return self._with_bias(out, routing).to(hidden.dtype)
         return self._with_bias(self.prefill(hidden, routing), routing).to(hidden.dtype)
+
+    def decode(self, x: np.ndarray, routing: Routing) -> np.ndarray:
+        """The decode driver: x float32 [T, H] prepared once for the layer's kernel (`DECODE_KERNELS`), then its
+        item kernel partition by partition, each adding its share into out [T, H]."""
+        prepare, partition = DECODE_KERNELS[self.kernels.decode]
+        out = np.zeros_like(x)
+        inputs = prepare(x, self.spec, self.is_w8a8)
+        for part, epilogue in zip(self.layer.partitions, self.epilogues, strict=True):
+            partition(inputs, routing, part, self.spec, epilogue, self.is_w8a8, out)
+        return out
 
     def _with_bias(self, out: torch.Tensor, routing: Routing) -> torch.Tensor:
         """out + each pair's weighted down bias (layers with biases; out float32 from every path but bf16's)."""
@@ -162,80 +165,93 @@ class CpuMoE:
         if topk_ids.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
 
-    def _decode(self, x: np.ndarray, routing: Routing) -> np.ndarray:
-        """The numba streaming kernels, partition by partition; x float32 [T, H] -> [T, H]."""
-        out = np.zeros_like(x)
-        r = routing
-        num_pairs = len(r.pair_token)
-        group_h = self.spec.group(self.spec.hidden_size)
-        if self.is_w8a8:
-            x = x.copy()
-            kernels.round_rows_int8(x)
-        if self.spec.dtype == "int4":
-            x_parts = _split_int4(x, group_h)  # after rounding: the int4 kernels see the rounded rows
-        for part, epilogue in zip(self.layer.partitions, self.epilogues, strict=True):
-            group_i = self.spec.group_size or part.size
-            act = np.empty((num_pairs, part.size), dtype=np.float32)
-            if self.spec.dtype == "int8":
-                kernels.gate_up_int8(x, r.experts, r.offsets, r.pair_token, part.gate, part.gate_scales, part.up,
-                                     part.up_scales, group_h, epilogue, act)
-                if self.is_w8a8:
-                    kernels.round_rows_int8(act)
-                kernels.down_int8(act, r.experts, r.offsets, r.pair_token, r.pair_weight, part.down,
-                                  part.down_scales, group_i, out)
-                continue
-            kernels.gate_up_int4(*x_parts, r.experts, r.offsets, r.pair_token, part.gate, part.gate_scales, part.up,
-                                 part.up_scales, group_h, epilogue, act)
-            if self.is_w8a8:
-                kernels.round_rows_int8(act)
-            kernels.down_int4(*_split_int4(act, group_i), r.experts, r.offsets, r.pair_token, r.pair_weight,
-                              part.down, part.down_scales, group_i, out)
-        return out
 
-    def _decode_vnni(self, x: np.ndarray, routing: Routing) -> np.ndarray:
-        """The integer (VNNI) streaming kernels on int8 activations; x float32 [T, H] -> [T, H]."""
-        out = np.zeros_like(x)
-        r = routing
-        decode = kernels_vnni.decode_int8 if self.spec.dtype == "int8" else kernels_vnni_int4.decode_int4
-        group_h = self.spec.group(self.spec.hidden_size)
-        for part, epilogue in zip(self.layer.partitions, self.epilogues, strict=True):
-            decode(x, r.experts, r.offsets, r.pair_token, r.pair_weight, part.gate, part.gate_scales, part.up,
-                   part.up_scales, part.down, part.down_scales, group_h, self.spec.group_size or part.size, epilogue,
-                   out)
-        return out
+# ---- the decode kernels: (prepare x once a call, one partition's item kernel) per `kernel_table.DECODE` key ------
 
-    def _decode_float(self, x: np.ndarray, routing: Routing) -> np.ndarray:
-        """The float formats' decode kernels (`FLOAT_DECODE`), partition by partition, on x rounded to bf16 once;
-        x float32 [T, H] -> [T, H]."""
-        out = np.zeros_like(x)
-        x = torch.from_numpy(x).bfloat16().float().numpy()
-        decode = FLOAT_DECODE[self.spec.dtype]
-        for part, epilogue in zip(self.layer.partitions, self.epilogues, strict=True):
-            decode(x, routing, part, self.spec, epilogue, out)
-        return out
+def _as_given(x: np.ndarray, spec, is_w8a8: bool) -> tuple:
+    return (x,)  # the integer kernels quantize their rows themselves
 
 
-def select_prefill(layer: PackedLayer, workspace: Workspace, is_w8a8: bool) -> tuple[Prefill, bool]:
-    """The matmul backend of a layer's many-token calls, chosen here alone from its format and this CPU's features:
-    (the prefill driver over it, is_amx). W8A8 int8/int4: our AMX grouped GEMMs (`prefill_amx`,
-    `prefill_amx_grouped`) where the CPU has AMX-INT8, else oneDNN for per-channel int8 (`prefill_int8`); the float
-    formats: the AMX-BF16 grouped GEMM (`prefill_amx_float`); everything else, and layers whose sizes the tiles do
-    not fit: each routed expert dequantized and multiplied by PyTorch (`DequantBackend`, on the formats' activation
-    grid)."""
-    spec = layer.spec
-    is_float = spec.dtype in FLOAT_DECODE
-    is_amx_int8 = is_w8a8 and prefill_amx.has_amx()
-    if is_float and prefill_amx_float.has_amx_bf16() and prefill_amx_float.is_supported(layer):
+def _rounded_rows(x: np.ndarray, spec, is_w8a8: bool) -> tuple:
+    if is_w8a8:
+        x = x.copy()
+        kernels.round_rows_int8(x)
+    return (x,)
+
+
+def _rounded_int4(x: np.ndarray, spec, is_w8a8: bool) -> tuple:
+    (x,) = _rounded_rows(x, spec, is_w8a8)
+    return _split_int4(x, spec.group(spec.hidden_size))  # after rounding: the int4 kernels see the rounded rows
+
+
+def _bf16_rows(x: np.ndarray, spec, is_w8a8: bool) -> tuple:
+    return (torch.from_numpy(x).bfloat16().float().numpy(),)
+
+
+def _int8_partition(inputs, r, part, spec, epilogue, is_w8a8, out) -> None:
+    """The float kernels (a CPU without VNNI, or float activations); act rounded to int8 rows for W8A8."""
+    act = np.empty((len(r.pair_token), part.size), dtype=np.float32)
+    kernels.gate_up_int8(*inputs, r.experts, r.offsets, r.pair_token, part.gate, part.gate_scales, part.up,
+                         part.up_scales, spec.group(spec.hidden_size), epilogue, act)
+    if is_w8a8:
+        kernels.round_rows_int8(act)
+    kernels.down_int8(act, r.experts, r.offsets, r.pair_token, r.pair_weight, part.down, part.down_scales,
+                      spec.group_size or part.size, out)
+
+
+def _int4_partition(inputs, r, part, spec, epilogue, is_w8a8, out) -> None:
+    group_i = spec.group_size or part.size
+    act = np.empty((len(r.pair_token), part.size), dtype=np.float32)
+    kernels.gate_up_int4(*inputs, r.experts, r.offsets, r.pair_token, part.gate, part.gate_scales, part.up,
+                         part.up_scales, spec.group(spec.hidden_size), epilogue, act)
+    if is_w8a8:
+        kernels.round_rows_int8(act)
+    kernels.down_int4(*_split_int4(act, group_i), r.experts, r.offsets, r.pair_token, r.pair_weight, part.down,
+                      part.down_scales, group_i, out)
+
+
+def _vnni_partition(decode):
+    """The integer (VNNI) kernels on int8 activations: gate/up, act and down in one call."""
+    def partition(inputs, r, part, spec, epilogue, is_w8a8, out) -> None:
+        decode(*inputs, r.experts, r.offsets, r.pair_token, r.pair_weight, part.gate, part.gate_scales, part.up,
+               part.up_scales, part.down, part.down_scales, spec.group(spec.hidden_size),
+               spec.group_size or part.size, epilogue, out)
+    return partition
+
+
+def _float_partition(decode):
+    """The float formats' kernels (`kernels_fp8`, `kernels_fp4`), on bf16 activations, never W8A8."""
+    def partition(inputs, r, part, spec, epilogue, is_w8a8, out) -> None:
+        decode(*inputs, r, part, spec, epilogue, out)
+    return partition
+
+
+DECODE_KERNELS = {
+    "int8-vnni": (_as_given, _vnni_partition(kernels_vnni.decode_int8)),
+    "int4-vnni": (_as_given, _vnni_partition(kernels_vnni_int4.decode_int4)),
+    "int8": (_rounded_rows, _int8_partition),
+    "int4": (_rounded_int4, _int4_partition),
+    "fp8": (_bf16_rows, _float_partition(kernels_fp8.decode_partition_fp8)),
+    "mxfp4": (_bf16_rows, _float_partition(kernels_fp4.decode_partition_mxfp4)),
+    "nvfp4": (_bf16_rows, _float_partition(kernels_fp4.decode_partition_nvfp4)),
+}
+
+
+def make_prefill(kernels: ExpertKernels, layer: PackedLayer, workspace: Workspace) -> Prefill:
+    """The layer's prefill: the one driver over its GEMM backend (`kernels.prefill`, a `kernel_table.PREFILL` key
+    chosen by `select`)."""
+    if kernels.prefill == "amx-bf16":
         backend = prefill_amx_float.AmxFloatBackend(layer)
-    elif is_amx_int8 and prefill_amx.is_supported(layer):
+    elif kernels.prefill == "amx-int8":
         backend = prefill_amx.AmxInt8Backend(layer)
-    elif is_amx_int8 and prefill_amx_grouped.is_supported(layer):
+    elif kernels.prefill == "amx-int8-grouped":
         backend = prefill_amx_grouped.AmxGroupedBackend(layer)
-    elif is_w8a8 and spec.dtype == "int8" and spec.group_size == 0:
+    elif kernels.prefill == "onednn-int8":
         backend = OneDnnInt8Backend(layer)
     else:
-        backend = DequantBackend(layer, round_activations=is_w8a8, bf16_activations=is_float)
-    return Prefill(backend, workspace), backend.is_amx
+        backend = DequantBackend(layer, round_activations=kernels.is_w8a8,
+                                 bf16_activations=kernels.activations == "bf16")
+    return Prefill(backend, workspace)
 
 
 def _float32(hidden: torch.Tensor) -> np.ndarray:

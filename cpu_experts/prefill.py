@@ -2,7 +2,8 @@
 
 One driver, `Prefill`, runs every prefill call; a backend per GEMM family (`PrefillBackend`) provides only what
 differs between them: how the activations are prepared, the gate/up call (producing act) and the down call
-(accumulating into the output). `operator.select_prefill` picks the backend from the layer's format and the CPU:
+(accumulating into the output). `kernel_table.select` names a layer's backend from its format and the CPU's
+features (a `kernel_table.PREFILL` key), `operator.make_prefill` builds it:
 - `prefill_amx.AmxInt8Backend`: per-channel int8 x int8 (W8A8) on AMX-INT8;
 - `prefill_amx_grouped.AmxGroupedBackend`: int4 and grouped int8, W8A8 on AMX-INT8;
 - `prefill_amx_float.AmxFloatBackend`: FP8, MXFP4, NVFP4 as bf16 x bf16 on AMX-BF16;
@@ -139,10 +140,9 @@ class PrefillCall:
 
 
 class PrefillBackend(Protocol):
-    """What differs between the GEMM families; `Prefill` runs the rest. `is_amx`: runs on AMX tiles (the operator's
-    token threshold follows); `uses_columns`: lays the pairs out as `PrefillCall`'s columns."""
+    """What differs between the GEMM families; `Prefill` runs the rest. `uses_columns`: lays the pairs out as
+    `PrefillCall`'s columns."""
     layer: PackedLayer
-    is_amx: bool
     uses_columns: bool
 
     def activations(self, hidden: torch.Tensor, call: PrefillCall) -> Any:
@@ -189,7 +189,6 @@ class DequantBackend:
     grid first (the W8A8 semantics of quantized experts, kept in float here). `bf16_activations`: rounded to bf16
     instead, the matmuls in float32 whatever the activations' dtype (the float formats' contract)."""
 
-    is_amx = False
     uses_columns = False
 
     def __init__(self, layer: PackedLayer, round_activations: bool = False, bf16_activations: bool = False):

@@ -406,7 +406,6 @@ class AmxInt8Backend:
     """The W8A8 grouped GEMM of the module docstring, a `prefill.PrefillBackend`; `kernels` (tests): see
     `reference_kernels`."""
 
-    is_amx = True
     uses_columns = True
 
     def __init__(self, layer: PackedLayer, kernels=None):

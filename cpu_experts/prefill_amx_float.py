@@ -200,7 +200,6 @@ class AmxFloatBackend:
     """The bf16 AMX GEMM of the module docstring, a `prefill.PrefillBackend`; `kernels` (tests): see
     `reference_kernels`. Every call's inputs are checked first: the kernels index without bounds checks."""
 
-    is_amx = True
     uses_columns = True
 
     def __init__(self, layer: PackedLayer, kernels=None):

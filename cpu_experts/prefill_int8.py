@@ -113,7 +113,6 @@ def combine_columns(down_acc, experts, offsets, pair_token, pair_weight, col_off
 class OneDnnInt8Backend:
     """The steps of the module docstring, a `prefill.PrefillBackend` (its buffers in the call's `Workspace`)."""
 
-    is_amx = False
     uses_columns = True
 
     def __init__(self, layer: PackedLayer):

@@ -20,7 +20,7 @@ import sys
 import torch
 
 MODULES = ("norm", "activation", "rotary", "routing", "kv_cache", "attention", "mla", "mla_sparse", "mla_absorb",
-           "dsa", "fused_moe", "linear", "delta_net")
+           "dsa", "fused_moe", "w8a8_moe", "linear", "delta_net")
 
 
 def _median_ms(fn) -> float:

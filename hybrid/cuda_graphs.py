@@ -78,6 +78,7 @@ class CudaGraphRunner:
             self.worker = FlagWorker(executor, n)
             self.handoff = llm.cpu_handoff.graph = GraphHandoff(self.worker, self.device)
             self.pool = self._decode_pool(executor) if cfg.cpu_decode_pool else None
+            executor.decode_pool = self.pool  # eager decode steps too: one decode driver in the engine
         self._armed = None  # who serves the step in flight: the pool or the worker
         # routing counts (`record_routing`, hot experts): a replay counts its batch's rows, not the bucket's padding
         recorder = llm.routing_recorder
@@ -130,9 +131,10 @@ class CudaGraphRunner:
         if armed is not None:
             armed.finish_step()
 
-    def park(self) -> None:
-        """Before an eager step: the pool's threads stop spinning, leaving the CPUs to its kernels."""
-        if self.pool is not None:
+    def before_eager(self, num_tokens: int) -> None:
+        """Before an eager step of `num_tokens`: the pool serves it if it can (`DecodePool.call`, through the
+        executor); otherwise its threads stop spinning, leaving the CPUs to the prefill kernels."""
+        if self.pool is not None and not self.pool.serves(num_tokens):
             self.pool.park()
 
     @torch.inference_mode()
@@ -206,6 +208,7 @@ class CudaGraphRunner:
         """Stops the CPU side and releases the graphs: tensor parallel, graphs that captured NCCL collectives and
         outlive them hang the communicator's abort when the ranks are left (seen on the H200 pair)."""
         if self.pool is not None:
+            self.worker.executor.decode_pool = None
             self.pool.close()
         if self.worker is not None:
             self.worker.close()

@@ -100,7 +100,7 @@ class ModelRunner:
         if graphs is not None and is_decode and graphs.can_run(len(seqs)):
             return graphs.run(inputs, input_ids)
         if graphs is not None:
-            graphs.park()
+            graphs.before_eager(len(input_ids))
         batch = ForwardBatch.from_inputs(inputs, self.block_size, self.device)
         hidden = self.model(torch.tensor(input_ids, dtype=torch.int64, device=self.device), batch)
         if logit_rows is None:

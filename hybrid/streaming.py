@@ -15,11 +15,15 @@ Pieces:
   waits for the compute that read it. No host sync anywhere: a slot still holding its unit (a model whose units
   all fit) is reused, not re-copied.
 - `StreamedPrefill`, a part of a layer's `hybrid.routed_experts.RoutedExperts`: the eager steps of at least
-  `min_tokens` tokens run here, per unit: stored weights of any format -> bf16 (`gpu_layers.dequant`, gate and up
-  side by side in one [c, 2Ip, H] table) -> `gpu_layers.fused_moe` with the ids shifted by `first` (ids outside the unit
-  count as elsewhere) and the layer's activation and biases (gpt-oss: the gate/up biases in every unit, the down
-  bias with partition 0's); the units' outputs add up in float32. Smaller steps (decode) and graph steps go to the CPU.
-  The activations stay in the model's dtype (the CPU path's int8 activation rounding does not apply). Layers whose
+  `min_tokens` tokens run here, per unit, with the ids shifted by `first` (ids outside the unit count as
+  elsewhere) and the layer's activation and biases (gpt-oss: the gate/up biases in every unit, the down bias with
+  partition 0's); the units' outputs add up in float32. Smaller steps (decode) and graph steps go to the CPU.
+  W8A8 layers (int8/int4 experts whose CPU operator rounds activations to int8, the default): the hidden rows are
+  rounded to int8 once per step exactly as the CPU does, and each unit's stored codes go straight into
+  `gpu_layers.w8a8_moe` (exact int32 sums per scale group, act rounded per row of the partition), so a prompt's
+  output does not depend on which of its steps were streamed (README, numerics contracts). Layers computing in
+  float (`expert_activations="float"`), bf16 experts and the float formats: weights -> bf16 (`gpu_layers.dequant`,
+  gate and up side by side in one [c, 2Ip, H] table) -> `gpu_layers.fused_moe` on bf16 activations. Layers whose
   weights could not be page-locked stay on the CPU.
 - The split (`hybrid.prefill_split`, `StreamedPrefill.split`): unless `cpu_share` is 0, the step's experts with
   the fewest tokens go to the CPU operator instead and only the others' weights cross, packed in a slot
@@ -39,6 +43,7 @@ from cpu_experts.module import CpuExperts
 from cpu_experts.packed import PackedLayer
 from gpu_layers.dequant import dequantize_fp4, dequantize_fp8, dequantize_int4, dequantize_int8
 from gpu_layers.fused_moe import Activation, fused_moe
+from gpu_layers.w8a8_moe import BLOCK_KS, quantize_rows, w8a8_moe
 from hybrid.engine_config import EngineConfig
 from hybrid.prefill_split import PrefillRates, flops_per_pair, may_split, plan_cpu_experts
 
@@ -75,12 +80,13 @@ class Unit:
         return {role: a[self.first:self.last] for role, a in named.items()}
 
 
-def layer_units(layer: PackedLayer, chunk_bytes: int) -> list[Unit]:
-    """Each partition's experts in runs of at most `chunk_bytes` stored and 2 x `chunk_bytes` of bf16 tables."""
+def layer_units(layer: PackedLayer, chunk_bytes: int, has_tables: bool = True) -> list[Unit]:
+    """Each partition's experts in runs of at most `chunk_bytes` stored and (`has_tables`: computed from bf16
+    tables, not from the codes) 2 x `chunk_bytes` of bf16 tables."""
     units = []
     for index, part in enumerate(layer.partitions):
         per_expert = sum(a.nbytes for a in part.arrays()) // layer.spec.num_experts
-        table_per_expert = 2 * 3 * part.size * layer.spec.hidden_size  # gate, up and down in bf16
+        table_per_expert = 2 * 3 * part.size * layer.spec.hidden_size if has_tables else 1  # gate, up, down in bf16
         chunk = min(chunk_bytes // max(per_expert, 1), 2 * chunk_bytes // table_per_expert)
         chunk = max(1, min(layer.spec.num_experts, chunk))
         units += [Unit(layer, index, first, min(first + chunk, layer.spec.num_experts))
@@ -106,10 +112,10 @@ class ExpertStream:
     def _event(self):
         return torch.cuda.Event() if self._is_cuda else None
 
-    def add_layer(self, layer: PackedLayer, chunk_bytes: int | None = None) -> range:
+    def add_layer(self, layer: PackedLayer, chunk_bytes: int | None = None, has_tables: bool = True) -> range:
         """Appends the layer's units (call in layer order); returns their indices."""
         first = len(self.units)
-        self.units += layer_units(layer, CHUNK_BYTES if chunk_bytes is None else chunk_bytes)
+        self.units += layer_units(layer, CHUNK_BYTES if chunk_bytes is None else chunk_bytes, has_tables)
         return range(first, len(self.units))
 
     def pin(self, layer: PackedLayer) -> int:
@@ -219,6 +225,14 @@ class StreamedPrefill:
         return layer.spec.dtype in STREAMED_DTYPES and layer.spec.hidden_size % 16 == 0 and bool(layer.partitions) \
             and all(p.size % 16 == 0 for p in layer.partitions)
 
+    @property
+    def is_w8a8(self) -> bool:
+        """Whether the CPU operator rounds this layer's activations to int8 (int8/int4 experts, by default), which
+        the streamed steps then do too (`w8a8_moe`; its scale groups: one a row, or a multiple of 32 columns)."""
+        op = self.cpu_experts.op
+        return op is not None and op.is_w8a8 and op.spec.dtype in ("int8", "int4") \
+            and op.spec.group_size % BLOCK_KS[0] == 0
+
     def attach(self, stream: ExpertStream, chunk_bytes: int | None = None, pin: bool = True) -> int:
         """Registers the layer's units with the model's stream (after loading, in layer order); the bytes
         page-locked. A layer that cannot be streamed, or whose weights the driver would not pin, stays on the CPU."""
@@ -227,7 +241,7 @@ class StreamedPrefill:
         layer = self.cpu_experts.op.layer
         pinned = stream.pin(layer) if pin else layer.nbytes
         if pinned:
-            self.stream, self.units = stream, stream.add_layer(layer, chunk_bytes)
+            self.stream, self.units = stream, stream.add_layer(layer, chunk_bytes, has_tables=not self.is_w8a8)
         return pinned
 
     def takes(self, hidden: torch.Tensor) -> bool:
@@ -264,14 +278,16 @@ class StreamedPrefill:
 
     def compute_on_gpu(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                        experts: np.ndarray | None = None):
-        """hidden [T, H] (bf16/fp16), topk_ids [T, K] (-1: not here) -> [T, H]. `experts` None: every unit through
-        the ring, no host sync; else only those experts' weights (sorted ids, those `topk_ids` routes to) cross."""
+        """hidden [T, H] (bf16/fp16; float32 too for W8A8 layers), topk_ids [T, K] (-1: not here) -> [T, H] in
+        hidden's dtype. `experts` None: every unit through the ring, no host sync; else only those experts'
+        weights (sorted ids, those `topk_ids` routes to) cross."""
         dtype = hidden.dtype
         ids = topk_ids.to(torch.int32)
         weights = topk_weights.float().contiguous()
-        hidden = hidden.to(torch.bfloat16).contiguous()  # the tables are bf16; no copy when it already is
-        spec = self.cpu_experts.op.layer.spec
-        activation = Activation(spec.activation.kind, spec.activation.alpha, spec.activation.limit)
+        if self.is_w8a8:
+            x = quantize_rows(hidden.contiguous())  # the CPU's int8 rows (codes, scales), once for every unit
+        else:
+            x = hidden.to(torch.bfloat16).contiguous()  # the tables are bf16; no copy when it already is
         out = None
         for index in self.units:
             unit = self.stream.units[index]
@@ -283,17 +299,29 @@ class StreamedPrefill:
                     continue
                 arrays, unit_ids = self.stream.acquire_rows(index, rows - unit.first), _packed_ids(ids, rows)
                 rows = torch.from_numpy(rows)
-            gate_up, down = self._bf16_tables(arrays, spec)
-            gate_up_bias = down_bias = None
-            if spec.has_bias:  # gate/up rows of this partition; the down bias once per expert, with partition 0
-                gate_up_bias = torch.cat([arrays["gate_bias"], arrays["up_bias"]], dim=1)  # [c, 2Ip]
-                down_bias = self._down_bias(hidden.device)[rows] \
-                    if unit.partition == 0 and self.cpu_experts.op.layer.down_bias is not None else None  # rank 0
-            part = fused_moe(hidden, gate_up, down, unit_ids, weights, activation=activation,
-                             w_gate_up_bias=gate_up_bias, w_down_bias=down_bias).float()
+            part = self._unit_output(x, arrays, unit, unit_ids, weights, rows, hidden.device)
             self.stream.release(index)
             out = part if out is None else out.add_(part)
         return (out if out is not None else torch.zeros_like(hidden, dtype=torch.float32)).to(dtype)
+
+    def _unit_output(self, x, arrays: dict[str, torch.Tensor], unit: Unit, unit_ids: torch.Tensor,
+                     weights: torch.Tensor, rows, device: torch.device) -> torch.Tensor:
+        """One unit's float32 [T, H]: x the int8 rows (codes, scales) of a W8A8 layer, else bf16 hidden; `rows` the
+        layer's experts in the unit's order (the down bias's rows)."""
+        spec = self.cpu_experts.op.layer.spec
+        activation = Activation(spec.activation.kind, spec.activation.alpha, spec.activation.limit)
+        gate_up_bias = down_bias = None
+        if spec.has_bias:  # gate/up rows of this partition; the down bias once per expert, with partition 0
+            gate_up_bias = torch.cat([arrays["gate_bias"], arrays["up_bias"]], dim=1)  # [c, 2Ip]
+            down_bias = self._down_bias(device)[rows] \
+                if unit.partition == 0 and self.cpu_experts.op.layer.down_bias is not None else None  # rank 0
+        if self.is_w8a8:
+            gate, up, down = ((arrays[role], _scales(arrays[f"{role}_scales"])) for role in ("gate", "up", "down"))
+            return w8a8_moe(*x, gate, up, down, unit_ids, weights, group_size=spec.group_size, activation=activation,
+                            w_gate_up_bias=gate_up_bias, w_down_bias=down_bias)
+        gate_up, down = self._bf16_tables(arrays, spec)
+        return fused_moe(x, gate_up, down, unit_ids, weights, activation=activation, w_gate_up_bias=gate_up_bias,
+                         w_down_bias=down_bias).float()
 
     def _down_bias(self, device: torch.device) -> torch.Tensor:
         """The layer's down bias [E, H] float32 on the device (a few MB, copied once)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cpu_features import features
 
 from cpu_experts import prefill_amx, prefill_amx_float, prefill_amx_grouped
 from cpu_experts.expert_file import SILU, SWIGLU_OAI, ExpertActivation, ExpertLayerSpec, dequantize_matrix
@@ -97,8 +98,9 @@ def test_matches_reference(dtype, group, partitions, int8_activations, is_vnni):
     if (not int8_activations or is_vnni) and dtype not in ("int8", "int4"):
         pytest.skip("the float formats ignore int8_activations and have no integer kernels")
     layer, deq, biases = _layer(dtype, group, partitions)
-    op = CpuMoE(layer, prefill_min_tokens=PREFILL_FROM, int8_activations=int8_activations)
-    op.is_vnni = is_vnni and op.is_w8a8  # the integer kernels (their generic form on a CPU without VNNI)
+    # the integer kernels (their generic form on a CPU without VNNI)
+    op = CpuMoE(layer, prefill_min_tokens=PREFILL_FROM, int8_activations=int8_activations,
+                features=features(has_vnni=is_vnni))
     if not op.is_w8a8 and is_vnni:
         pytest.skip("float activations have no integer kernels")
     for seed, num_tokens in enumerate([1, 17, 300]):
@@ -110,7 +112,7 @@ def test_matches_reference(dtype, group, partitions, int8_activations, is_vnni):
 
 @pytest.mark.parametrize("dtype,group", FORMATS + [("bf16", 0)])
 def test_dequantize_prefill(dtype, group):
-    """The dequantize-and-multiply backend (`DequantBackend`), whatever `select_prefill` picks on this CPU."""
+    """The dequantize-and-multiply backend (`DequantBackend`), whatever `kernel_table.select` picks on this CPU."""
     layer, deq, biases = _layer(dtype, group, 2)
     is_float = dtype in ("fp8", "mxfp4", "nvfp4")
     prefill = Prefill(DequantBackend(layer, round_activations=False, bf16_activations=is_float), Workspace())

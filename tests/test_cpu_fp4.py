@@ -26,7 +26,8 @@ from numba.extending import intrinsic
 
 from cpu_experts import formats, kernels_fp4, kernels_fp4_ir
 from cpu_experts.expert_file import ALLOWED_SCALES, FIXED_GROUP, ExpertLayerSpec, dequantize_matrix
-from cpu_experts.operator import PREFILL_MIN_TOKENS, CpuMoE
+from cpu_experts.kernel_table import PREFILL_MIN_TOKENS
+from cpu_experts.operator import CpuMoE
 from cpu_experts.packed import PackedLayer
 from cpu_experts.reference import moe_reference
 
@@ -273,9 +274,10 @@ def _mode_codegen(is_mx, mode):
     return intrinsic(typer)
 
 
-# the nibble decodings this CPU does not compile by default: the generic IR, and `pshufb` where AVX-512 takes
-# `vpermps` (an AVX2 CPU compiles `pshufb` by default and cannot run `vpermps`)
-OTHER_MODES = ["portable"] + (["shuffle"] if kernels_fp4_ir.decode_mode() == "permute" else [])
+# the decodings this CPU does not compile by default: the generic IR, `pshufb` where AVX-512 takes `vpermps` (an AVX2
+# CPU compiles `pshufb` by default and cannot run `vpermps`), and the scaled lookups written lane by lane ("lanes",
+# `vpermps`' arithmetic on any CPU)
+OTHER_MODES = ["portable", "lanes"] + (["shuffle"] if kernels_fp4_ir.decode_mode() == "permute" else [])
 _OTHER = {(mode, is_mx): _mode_codegen(is_mx, mode) for mode in OTHER_MODES for is_mx in (True, False)}
 
 
@@ -294,22 +296,43 @@ def _other_row_dots(mode):
     return row_dots
 
 
+def _is_scaled(mode):
+    return mode in kernels_fp4_ir.SCALED_MODES
+
+
 @pytest.mark.parametrize("mode", OTHER_MODES)
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_every_nibble_decoding_gives_the_same_sums(fmt, mode):
-    """The generic-IR nibble decode (for CPUs without SSSE3's `pshufb`) and `pshufb`'s (AVX2) give this CPU's
-    sums (`vpermps` on AVX-512), bit for bit."""
+    """Every decoding against this CPU's: bit for bit within a family (the factored ones: generic IR, `pshufb`;
+    the scaled ones: `vpermps`, lane by lane), within float32 summation order across them (the products are the
+    same, their sums' order is not). Rows mix E8M0 bytes 0 and 1 (the scaled path's exception, checked with
+    denormals flushed) with ordinary scales."""
     rng = np.random.default_rng(8)
     num_bytes = 170  # 10 chunks and a tail of 10 bytes
     rows = rng.integers(0, 256, (1, 4, num_bytes), dtype=np.uint8)
     rows[0, :, :16] = np.arange(16) * 17
     is_mx = fmt == "mxfp4"
-    scales = rng.integers(100, 140, (1, 4, -(-num_bytes // 16)), dtype=np.uint8) if is_mx else \
+    scales = rng.integers(100, 111, (1, 4, -(-num_bytes // 16)), dtype=np.uint8) if is_mx else \
         rng.integers(0x28, 0x40, (1, 4, -(-num_bytes // 8)), dtype=np.uint8)
     x_even, x_odd = _split(rng.standard_normal(2 * num_bytes).astype(np.float32))
+    if is_mx:  # tiny groups (2^-127, 2^-126), their products brought near the others' by x
+        scales[0, :, 1::3] = [0, 1, 0, 1]
+        for group in (1, 4, 7, 10):
+            x_even[0, 16 * group:16 * group + 16] *= np.float32(2.0**110)
+            x_odd[0, 16 * group:16 * group + 16] *= np.float32(2.0**110)
     table = _row_dots(rows, scales, x_even, x_odd, is_mx)
-    other = _other_row_dots(mode)(rows, scales, x_even, x_odd, is_mx)
-    assert np.array_equal(table, other) and bool((table != 0).all())
+    # the scaled lookups under denormals-are-zero: bytes 0 and 1 must not reach their tables' subnormals
+    assert torch.set_flush_denormal(_is_scaled(mode)) or not _is_scaled(mode)
+    try:
+        other = _other_row_dots(mode)(rows, scales, x_even, x_odd, is_mx)
+    finally:
+        torch.set_flush_denormal(False)
+    assert bool((table != 0).all()) and bool(np.isfinite(table).all())
+    if _is_scaled(mode) == _is_scaled(kernels_fp4_ir.decode_mode()):
+        assert np.array_equal(table, other)
+    else:
+        magnitude = _other_row_dots("portable")(rows & 0x77, scales, np.abs(x_even), np.abs(x_odd), is_mx)  # |w| |x|
+        assert np.abs(table - other).max() <= 1e-6 * np.abs(magnitude).max()
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from cpu_features import features
 
 from cpu_experts.expert_file import SCALE_DTYPES, ExpertLayerSpec, dequantize_matrix, quantize_matrix
 from cpu_experts.formats import pack_int4
@@ -100,11 +101,12 @@ def test_matches_reference(layers, dtype, group, partitions, path):
     align = max(PARTITION_ALIGN, group)  # a partition owns whole scale groups: I = 200 in groups of 128 gives 2
     assert len(layer.partitions) == min(partitions, -(-I // align))
     assert [(p.start, p.end) for p in layer.partitions][-1][1] == I
-    op = CpuMoE(layer, prefill_min_tokens=1 if path == "prefill" else 10**9)
+    # decode: the integer kernels (on a CPU without VNNI, their generic form); decode_float: the float kernels,
+    # which CPUs without VNNI run
+    op = CpuMoE(layer, prefill_min_tokens=1 if path == "prefill" else 10**9,
+                features=features(has_vnni=path == "decode"))
     if path.startswith("decode") and dtype != "bf16":
-        # decode: the integer kernels (on a CPU without VNNI, their generic form); decode_float: the float kernels,
-        # which CPUs without VNNI run
-        op.is_vnni = path == "decode"
+        assert op.kernels.decode == f"{dtype}-vnni" if path == "decode" else dtype
     is_w8a8 = dtype != "bf16"
     for seed, (num_tokens, top_k, case) in enumerate([(1, 1, "random"), (3, 2, "with_minus_one"), (17, 8, "random"),
                                                       (300, 2, "one_expert"), (300, 8, "with_minus_one")]):
@@ -137,8 +139,8 @@ def test_long_rows(dtype, group):
     x = torch.randn(3, hidden, generator=gen)
     want = moe_reference(x, *deq, ids, w, int8_activations=True)
     for threshold, is_vnni in ((10**9, True), (10**9, False), (1, False)):
-        op = CpuMoE(layer, prefill_min_tokens=threshold)
-        op.is_vnni = is_vnni  # True on a CPU without VNNI: the integer kernels' generic form
+        # is_vnni True on a CPU without VNNI: the integer kernels' generic form
+        op = CpuMoE(layer, prefill_min_tokens=threshold, features=features(has_vnni=is_vnni))
         err = float((op(x, ids, w) - want).abs().max())
         assert err <= W8A8_REF_TOL * float(want.abs().max()), (threshold, is_vnni, err)
 
@@ -161,8 +163,8 @@ def test_stored_int4(group, scale_dtype, partitions):
         exact = moe_reference(x, *deq, ids, w)
         for threshold, is_vnni, int8_activations in ((10**9, True, True), (10**9, False, True), (1, False, True),
                                                      (10**9, False, False), (1, False, False)):
-            op = CpuMoE(layer, prefill_min_tokens=threshold, int8_activations=int8_activations)
-            op.is_vnni = is_vnni and int8_activations
+            op = CpuMoE(layer, prefill_min_tokens=threshold, int8_activations=int8_activations,
+                        features=features(has_vnni=is_vnni))
             want, tol = (rounded, W8A8_REF_TOL) if int8_activations else (exact, REL_TOL)
             err = float((op(x, ids, w) - want).abs().max())
             assert err <= tol * float(want.abs().max()), (num_tokens, threshold, is_vnni, int8_activations, err)

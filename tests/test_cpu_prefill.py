@@ -1,8 +1,8 @@
 """The one prefill driver (`cpu_experts.prefill.Prefill`) and its backends, through `CpuMoE`.
 
-`select_prefill` is the one place a layer's backend is chosen: its table (format x the CPU's AMX-INT8 / AMX-BF16 x
-W8A8 x tile sizes) is pinned here with the CPU's features faked. Then one prefill call through every backend, each
-as `select_prefill` builds it for a CPU with those features, the AMX ones on their tile reference
+`kernel_table.select` names a layer's GEMM backend (tests/test_kernel_table.py); `operator.make_prefill` builds
+the driver over it: each `kernel_table.PREFILL` key's backend is pinned here. Then one prefill call through every
+backend, built by `CpuMoE` for a CPU with the features that select it, the AMX ones on their tile reference
 (`reference_kernels`: this machine has no AMX), against the PyTorch reference on the dequantized weights
 (`cpu_experts.reference`) on the backend's activation grid. A fake backend pins the driver's sequence: activations
 once, gate_up then down per partition in order, one zeroed float32 output, the column layout of the routing.
@@ -16,7 +16,8 @@ import torch
 
 from cpu_experts import prefill_amx, prefill_amx_float, prefill_amx_grouped
 from cpu_experts.expert_file import dequantize_matrix
-from cpu_experts.operator import CpuMoE, route, select_prefill
+from cpu_experts.kernel_table import PREFILL, CpuFeatures, ExpertKernels
+from cpu_experts.operator import CpuMoE, make_prefill, route
 from cpu_experts.packed import PackedLayer
 from cpu_experts.prefill import COLUMN_TILE, DequantBackend, Prefill, Workspace
 from cpu_experts.prefill_int8 import OneDnnInt8Backend
@@ -24,21 +25,9 @@ from cpu_experts.reference import moe_reference
 
 E, H, I, PARTITIONS = 8, 256, 192, 3  # noqa: E741 (the shape letters of the project); I: 3 x 64, the tiles' sizes
 FLOAT_FORMATS = ("fp8", "mxfp4", "nvfp4")
-# (dtype, group, W8A8, AMX-INT8, AMX-BF16) -> the backend `select_prefill` gives
-TABLE = [
-    (("int8", 0, True, True, True), prefill_amx.AmxInt8Backend),
-    (("int8", 0, True, False, True), OneDnnInt8Backend),
-    (("int8", 0, False, True, True), DequantBackend),  # float activations: no integer GEMM
-    (("int8", 64, True, True, False), prefill_amx_grouped.AmxGroupedBackend),
-    (("int8", 64, True, False, True), DequantBackend),
-    (("int4", 32, True, True, False), prefill_amx_grouped.AmxGroupedBackend),
-    (("int4", 128, True, False, False), DequantBackend),
-    (("fp8", 128, False, False, True), prefill_amx_float.AmxFloatBackend),
-    (("fp8", 128, False, True, False), DequantBackend),
-    (("mxfp4", 32, False, False, True), prefill_amx_float.AmxFloatBackend),
-    (("nvfp4", 16, False, True, True), prefill_amx_float.AmxFloatBackend),
-    (("bf16", 0, False, True, True), DequantBackend),
-]
+BACKENDS = {"amx-int8": prefill_amx.AmxInt8Backend, "amx-int8-grouped": prefill_amx_grouped.AmxGroupedBackend,
+            "amx-bf16": prefill_amx_float.AmxFloatBackend, "onednn-int8": OneDnnInt8Backend,
+            "dequant": DequantBackend}
 # rounded activations (W8A8 int8 steps, bf16 steps; bf16 hidden rows, bf16 matmuls of the dequantizing backend,
 # the output rounded to bf16) against a reference that rounds the same values: a value within float32 error of a
 # rounding boundary may round the other way (`test_cpu_moe`, `test_cpu_expert_activation`); a wrong expert, scale,
@@ -75,35 +64,21 @@ def _dequantized(whole: PackedLayer) -> list[torch.Tensor]:
     return deq
 
 
-def _features(monkeypatch, is_amx_int8: bool, is_amx_bf16: bool) -> None:
-    monkeypatch.setattr(prefill_amx, "has_amx", lambda kind="int8": is_amx_int8)
-    monkeypatch.setattr(prefill_amx_float, "has_amx_bf16", lambda: is_amx_bf16)
-
-
-@pytest.mark.parametrize("case,want", TABLE,
-                         ids=lambda v: "-".join(map(str, v)) if isinstance(v, tuple) else v.__name__)
-def test_select_prefill_table(layers, monkeypatch, case, want):
-    dtype, group, is_w8a8, is_amx_int8, is_amx_bf16 = case
-    _features(monkeypatch, is_amx_int8, is_amx_bf16)
+@pytest.mark.parametrize("key,dtype,group,activations", [
+    ("amx-int8", "int8", 0, "int8"), ("amx-int8-grouped", "int4", 32, "int8"), ("amx-bf16", "nvfp4", 16, "bf16"),
+    ("onednn-int8", "int8", 0, "int8"), ("dequant", "int8", 64, "int8"), ("dequant", "fp8", 128, "bf16"),
+    ("dequant", "bf16", 0, "float")])
+def test_make_prefill(layers, monkeypatch, key, dtype, group, activations):
+    """Each `kernel_table.PREFILL` key builds the driver over its backend, the dequantizing one on the key's
+    activation grid."""
+    monkeypatch.setattr(prefill_amx_float, "has_amx_bf16", lambda: True)  # the backend's own check of the CPU
+    assert set(BACKENDS) == set(PREFILL)
     layer, _ = layers(dtype, group)
-    prefill, is_amx = select_prefill(layer, Workspace(), is_w8a8)
-    assert type(prefill.backend) is want and is_amx == want.is_amx
-    if want is DequantBackend:
-        assert prefill.backend.round_activations == is_w8a8
-        assert prefill.backend.bf16_activations == (dtype in FLOAT_FORMATS)
-
-
-@pytest.mark.parametrize("dtype,group,want", [("int8", 0, OneDnnInt8Backend), ("int4", 32, DequantBackend),
-                                               ("fp8", 128, DequantBackend)])
-def test_select_prefill_off_the_tiles(monkeypatch, dtype, group, want):
-    """Sizes the tiles do not fit (I = 80: neither 64 nor 32 divides it) on a CPU with AMX-INT8 and AMX-BF16:
-    per-channel int8 takes oneDNN (no tile sizes), the others the dequantizing backend."""
-    _features(monkeypatch, True, True)
-    gen = torch.Generator().manual_seed(1)
-    weights = [torch.randn(shape, generator=gen) for shape in ((E, 80, H), (E, 80, H), (E, H, 80))]
-    layer = PackedLayer.from_float(*weights, dtype, group)
-    prefill, is_amx = select_prefill(layer, Workspace(), dtype not in FLOAT_FORMATS)
-    assert type(prefill.backend) is want and not is_amx
+    built = make_prefill(ExpertKernels(activations, None, key, 1), layer, Workspace())
+    assert type(built) is Prefill and type(built.backend) is BACKENDS[key]
+    if key == "dequant":
+        assert (built.backend.round_activations, built.backend.bf16_activations) == (activations == "int8",
+                                                                                    activations == "bf16")
 
 
 @pytest.fixture(scope="module")
@@ -115,25 +90,26 @@ def tile_references():
 
 
 # (dtype, group, int8_activations, AMX-INT8, AMX-BF16, the backend that runs)
-BACKENDS = [("int8", 0, True, True, False, prefill_amx.AmxInt8Backend),
-            ("int4", 32, True, True, False, prefill_amx_grouped.AmxGroupedBackend),
-            ("fp8", 128, True, False, True, prefill_amx_float.AmxFloatBackend),
-            ("int8", 0, True, False, False, OneDnnInt8Backend),
-            ("int8", 64, True, False, False, DequantBackend),
-            ("int4", 128, False, False, False, DequantBackend),
-            ("nvfp4", 16, True, False, False, DequantBackend),
-            ("bf16", 0, True, False, False, DequantBackend)]
+CALLS = [("int8", 0, True, True, False, prefill_amx.AmxInt8Backend),
+         ("int4", 32, True, True, False, prefill_amx_grouped.AmxGroupedBackend),
+         ("fp8", 128, True, False, True, prefill_amx_float.AmxFloatBackend),
+         ("int8", 0, True, False, False, OneDnnInt8Backend),
+         ("int8", 64, True, False, False, DequantBackend),
+         ("int4", 128, False, False, False, DequantBackend),
+         ("nvfp4", 16, True, False, False, DequantBackend),
+         ("bf16", 0, True, False, False, DequantBackend)]
 
 
-@pytest.mark.parametrize("dtype,group,int8_activations,is_amx_int8,is_amx_bf16,backend", BACKENDS,
-                         ids=[f"{b[-1].__name__}-{b[0]}" for b in BACKENDS])
+@pytest.mark.parametrize("dtype,group,int8_activations,is_amx_int8,is_amx_bf16,backend", CALLS,
+                         ids=[f"{b[-1].__name__}-{b[0]}" for b in CALLS])
 def test_every_backend_one_call(layers, tile_references, monkeypatch, dtype, group, int8_activations, is_amx_int8,
                                 is_amx_bf16, backend):
     """One 70-token top-4 call (-1 slots, a token with none, one expert with a single pair) through `CpuMoE`'s
     prefill in 3 partitions, on bf16 hidden rows as the model gives them, against the reference."""
-    _features(monkeypatch, is_amx_int8, is_amx_bf16)
+    monkeypatch.setattr(prefill_amx_float, "has_amx_bf16", lambda: is_amx_bf16)  # the backend's own check
     layer, (gate, up, down) = layers(dtype, group)
-    op = CpuMoE(layer, prefill_min_tokens=1, int8_activations=int8_activations)
+    features = CpuFeatures(has_vnni=False, has_amx_int8=is_amx_int8, has_amx_bf16=is_amx_bf16)
+    op = CpuMoE(layer, prefill_min_tokens=1, int8_activations=int8_activations, features=features)
     assert type(op.prefill.backend) is backend
     if backend in tile_references:
         op.prefill.backend.gate_up_kernel, op.prefill.backend.down_kernel = tile_references[backend]
@@ -157,7 +133,6 @@ def test_every_backend_one_call(layers, tile_references, monkeypatch, dtype, gro
 class _Recording:
     """A backend that records what the driver hands it: gate_up's act is its partition's start."""
 
-    is_amx = False
     uses_columns = True
 
     def __init__(self, layer):

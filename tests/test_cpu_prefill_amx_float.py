@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import stored_experts
 import torch
+from cpu_features import features
 
 from cpu_experts import formats, prefill_amx_float
 from cpu_experts.expert_file import ALLOWED_SCALES, ExpertLayerSpec, dequantize_matrix
@@ -257,18 +258,19 @@ def test_launcher_checks_its_inputs(layers):
 def test_operator_takes_the_path_on_amx_bf16(kernels, layers, monkeypatch, is_amx_bf16):
     """`CpuMoE` on a float-format layer: with AMX-BF16, from AMX_PREFILL_MIN_TOKENS tokens through
     `AmxFloatBackend` (here with the tile reference), `is_w8a8` False; without, the dequantizing prefill."""
-    from cpu_experts import operator
+    from cpu_experts import kernel_table
 
+    # the backend's own check of the CPU, which refuses the real tiles here (replaced by the reference below)
     monkeypatch.setattr(prefill_amx_float, "has_amx_bf16", lambda: is_amx_bf16)
     layer, (gate, up, down) = layers("fp8", 128, "plain", 3)
-    op = CpuMoE(layer)
+    op = CpuMoE(layer, features=features(has_amx_bf16=is_amx_bf16))
     assert not op.is_w8a8
     if not is_amx_bf16:
         assert isinstance(op.prefill.backend, DequantBackend)
-        assert op.prefill_min_tokens == operator.PREFILL_MIN_TOKENS["fp8"]
+        assert op.prefill_min_tokens == kernel_table.PREFILL_MIN_TOKENS["fp8"]
         return
-    assert isinstance(op.prefill.backend, prefill_amx_float.AmxFloatBackend)
-    assert op.prefill_min_tokens == operator.AMX_PREFILL_MIN_TOKENS["fp8"] == 32
+    assert isinstance(op.prefill.backend, prefill_amx_float.AmxFloatBackend) and op.kernels.prefill == "amx-bf16"
+    assert op.prefill_min_tokens == kernel_table.AMX_PREFILL_MIN_TOKENS["fp8"] == 32
     op.prefill.backend.gate_up_kernel, op.prefill.backend.down_kernel = kernels
     calls = []
     real = op.prefill.__call__

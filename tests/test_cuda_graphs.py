@@ -102,6 +102,25 @@ def test_graph_engine_generates_what_the_eager_engine_generates(converted):
     assert outputs[True] == outputs[False]
 
 
+def test_eager_decode_sized_steps_run_on_the_pool(converted):
+    """Steps the graphs do not take but the pool serves (a prompt of a few tokens, alone or beside decodes) run
+    their CPU layers on the decode pool through the executor (`DecodePool.call`): the same tokens as the engine
+    whose eager steps run `CpuMoE` (no pool at all), and layers served beyond the replays' own."""
+    prompts = [prompt(n, seed=60 + n) for n in (2, 3, 1, 4, 3)]
+    outputs = {}
+    for is_pool in (False, True):
+        llm = LLM(converted, device="cuda", dtype="float32", max_model_len=256, cpu_decode_pool=is_pool)
+        engine = Engine(llm, max_num_batched_tokens=4, max_num_seqs=4)
+        outputs[is_pool] = engine.generate(prompts, max_tokens=12, ignore_eos=True)
+        runner = engine.runner.graphs
+        if is_pool:
+            assert runner.pool is not None and llm.cpu_executor.decode_pool is runner.pool
+            eager_layers = runner.pool.layers_served - runner.num_replays * runner.num_requests
+            assert eager_layers >= runner.num_requests, (runner.pool.layers_served, runner.num_replays)
+        engine.close()
+    assert outputs[True] == outputs[False]
+
+
 def test_graph_step_error_surfaces_and_engine_recovers(converted):
     # the executor's worker serves the graph steps here (the decode pool's errors: tests/test_decode_pool.py)
     llm = LLM(converted, device="cuda", dtype="bfloat16", max_model_len=128, cpu_decode_pool=False)

@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from cpu_features import features
 from handoff_support import play_gpu as play_gpu_within
 
 from cpu_experts.decode_pool import DecodePool, supports
@@ -46,9 +47,8 @@ def make_ops(group: int, partitions: int, layers=(0, 2, 3), dtype: str = "int8",
                                         **extra)
         if dtype == "int4 bf16":
             packed = _bf16_scales(packed, group, partitions)
-        op = CpuMoE(packed, prefill_min_tokens=8)
-        op.is_vnni = True  # the integer kernels (their generic form on a CPU without VNNI)
-        ops[layer] = op
+        # the integer kernels (their generic form on a CPU without VNNI)
+        ops[layer] = CpuMoE(packed, prefill_min_tokens=8, features=features(has_vnni=True))
     return ops
 
 
@@ -223,8 +223,8 @@ def test_idle_pool_sleeps_and_wakes_skip_and_timing():
 def test_supports_and_refuses():
     ops = make_ops(0, 1, layers=(0,))
     assert supports(ops[0])
-    ops[0].is_vnni = False  # the float kernels: not what the pool computes
-    assert not supports(ops[0])
+    ops[0] = CpuMoE(ops[0].layer, features=features(has_vnni=False))  # the float kernels: not the pool's
+    assert ops[0].kernels.decode == "int8" and not supports(ops[0])
     executor = AsyncExperts(lambda *a: None, max_tokens=4, hidden_size=H, top_k=TOP_K, pin_memory=False)
     worker = FlagWorker(executor, max_tokens=4, pin_memory=False)
     try:
@@ -266,3 +266,41 @@ def test_a_dead_thread_stops_the_pool_and_is_reported(monkeypatch):
         pool.close()
         executor.close()
     assert not any(t.is_alive() for t in pool._threads)
+
+
+@pytest.mark.parametrize("dtype,group,partitions", [("int8", 0, 1), ("int4", 32, 3), ("fp8", 32, 1), ("nvfp4", 16, 3)])
+def test_eager_steps_through_the_executor(dtype, group, partitions):
+    """The engine's eager steps: an executor given the pool (`AsyncExperts.decode_pool`) runs the layers of steps
+    the pool serves on its threads (`DecodePool.call`), equal to the operator bit for bit; a step of more tokens
+    than the pool serves runs `compute`; a bad id fails its layer only, and the next layer is served."""
+    ops = make_ops(group, partitions, dtype=dtype)
+    computed = []
+
+    def compute(layer, hidden, ids, weights, out):
+        computed.append((layer, hidden.shape[0]))
+        out.copy_(ops[layer](hidden, ids, weights))
+
+    executor = AsyncExperts(compute, max_tokens=12, hidden_size=H, top_k=TOP_K, pin_memory=False)
+    pool = DecodePool(FlagWorker(executor, max_tokens=8, pin_memory=False), ops, cpus=[0, 0])
+    executor.decode_pool = pool
+    try:
+        assert pool.max_tokens == 7  # the layers' prefill threshold (8) - 1
+        for step, num_tokens in enumerate([1, 7, 3, 12]):
+            hidden, ids, weights = inputs(num_tokens, step)
+            for layer in (0, 2, 3):
+                executor.submit(layer, hidden * (layer + 1), ids, weights)
+                got = executor.sync().clone()
+                want = ops[layer](hidden * (layer + 1), ids, weights)
+                torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"{num_tokens} tokens, layer {layer}")
+        assert pool.layers_served == 9 and computed == [(0, 12), (2, 12), (3, 12)]
+        hidden, ids, weights = inputs(2, 9)
+        ids[1, 0] = E + 3
+        executor.submit(2, hidden, ids, weights)
+        with pytest.raises(CpuExpertsError, match=f"layer 2: topk_ids holds expert {E + 3}"):
+            executor.sync()
+        ids[1, 0] = 1
+        executor.submit(2, hidden, ids, weights)
+        torch.testing.assert_close(executor.sync(), ops[2](hidden, ids, weights), rtol=0, atol=0)
+    finally:
+        pool.close()
+        executor.close()

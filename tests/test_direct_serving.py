@@ -5,8 +5,7 @@ checkpoint stores them (FP8, MXFP4, NVFP4, compressed-tensors INT4 with `expert_
 
 References: transformers' forward on the values the checkpoint stands for (int8 experts: on their fake-quantized
 values, with float activations, as the converted-model tests do; the float formats: with each expert matmul's input
-rounded to bfloat16, their kernels' contract). The float formats' end-to-end tests run once their CPU kernels exist
-(`cpu_experts.operator.FLOAT_DECODE`); until then the same code runs on int8/int4 experts here.
+rounded to bfloat16, their kernels' contract).
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ from int4_checkpoints import load_reference, make_int4_checkpoint
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-import cpu_experts.operator
 from convert.cli import main
 from cpu_experts.module import CpuExperts
 from hybrid import LLM
@@ -36,11 +34,6 @@ REL_TOL = 1e-4
 # `tests/test_cpu_fp8.py` bounds them tightly). These end-to-end comparisons allow that.
 FLOAT_FORMAT_TOL = 5e-3
 PROMPTS = [prompt(24, seed=s) for s in range(2)]
-
-
-def _float_kernels_available(*dtypes: str) -> bool:
-    kernels = getattr(cpu_experts.operator, "FLOAT_DECODE", {})
-    return all(dtype in kernels for dtype in dtypes or ("fp8", "mxfp4", "nvfp4"))
 
 
 def assert_close(got: torch.Tensor, want: torch.Tensor, what: str, tol: float = REL_TOL) -> None:
@@ -172,7 +165,6 @@ FLOAT_LAYOUTS = {"fp8-block": "fp8", "fp8-e8m0": "fp8", "mxfp4-e8m0": "mxfp4", "
                  "nvfp4-ct": "nvfp4"}
 
 
-@pytest.mark.skipif(not _float_kernels_available(), reason="the FP8/MXFP4/NVFP4 CPU kernels are not merged yet")
 @pytest.mark.parametrize("layout", sorted(FLOAT_LAYOUTS))
 def test_float_experts_served_as_stored(tmp_path, layout):
     src = tmp_path / "src"
@@ -186,7 +178,6 @@ def test_float_experts_served_as_stored(tmp_path, layout):
         assert torch.equal(got, want)
 
 
-@pytest.mark.skipif(not _float_kernels_available(), reason="the FP8/MXFP4/NVFP4 CPU kernels are not merged yet")
 @pytest.mark.parametrize("dtype", ["fp8", "mxfp4", "nvfp4"])
 def test_float_formats_at_load_equal_the_conversion(qwen, tmp_path, dtype):
     dst = converted(qwen, tmp_path, "--expert-dtype", dtype)
@@ -194,7 +185,6 @@ def test_float_formats_at_load_equal_the_conversion(qwen, tmp_path, dtype):
         assert torch.equal(got, want)
 
 
-@pytest.mark.skipif(not _float_kernels_available("fp8"), reason="the FP8 CPU kernels are not merged yet")
 def test_deepseek_fp8_served_as_stored(fp8, tmp_path):  # noqa: F811
     """DeepSeek-V3's published layout (every Linear FP8, 128 x 128 blocks, partial blocks at the edges)."""
     ref_dir = tmp_path / "ref"

@@ -31,7 +31,7 @@ from cache_groups_support import (
 )
 from checkpoints import build_model, hf_generate, hf_logits, prompt
 from safetensors.torch import load_file, save_file
-from test_direct_serving import FLOAT_FORMAT_TOL, _float_kernels_available
+from test_direct_serving import FLOAT_FORMAT_TOL
 from test_fp8_checkpoint import REL_TOL, build_fp8_checkpoint, load_reference
 from test_models_parity import GEN_PROMPT, NEW_TOKENS, PREFILL_LENGTHS, assert_logits_close, assert_same_tokens
 
@@ -268,7 +268,6 @@ def test_fp8_checkpoint_matches_the_dequantized_reference(mimo_fp8):
         assert err <= REL_TOL * scale, f"max |ours - hf| = {err:.3e} > {REL_TOL} * {scale:.3e}"
 
 
-@pytest.mark.skipif(not _float_kernels_available("fp8"), reason="the FP8 CPU kernels are not merged yet")
 def test_fp8_experts_run_as_stored_on_the_cpu_operator(mimo_fp8, tmp_path):
     from float_checkpoints import round_expert_inputs  # needs compressed-tensors (the test extra)
 
@@ -308,9 +307,7 @@ def test_synthetic_fp8_checkpoint_loads_with_fp8_cpu_experts(tmp_path, monkeypat
         "model.layers.1.self_attn.attention_sink_bias", "model.layers.1.self_attn.q_proj.weight_scale_inv"}
     llm = LLM(tmp_path, dtype="float32", expert_placement="cpu", max_model_len=64)
     try:
-        expected = ["fp8", "fp8"] if _float_kernels_available("fp8") else None
-        if expected:
-            assert [m.op.spec.dtype for m in llm.model.modules() if isinstance(m, CpuExperts)] == expected
+        assert [m.op.spec.dtype for m in llm.model.modules() if isinstance(m, CpuExperts)] == ["fp8", "fp8"]
         logits = llm.prefill_logits([5, 6, 7])
         assert logits.shape == (3, 512) and torch.isfinite(logits).all()
     finally:

@@ -13,7 +13,7 @@ import pytest
 import torch
 from checkpoints import SEEDS, VARIANTS, make_checkpoint, prompt
 from experts_support import random_experts
-from gpu_support import DEVICE
+from gpu_support import DEVICE, equal_but_rare_flips
 
 from cpu_experts.packed import PackedLayer
 from hybrid import LLM
@@ -206,16 +206,16 @@ def test_prefill_cpu_share_is_a_fraction_or_auto():
 
 
 def split_layer(share: float | None, min_tokens: int, is_gpt_oss: bool = False, seed: int = 0, dtype: str = "int8",
-                group_size: int = 0, gpu_ids: tuple[int, ...] = (2,)):
+                group_size: int = 0, gpu_ids: tuple[int, ...] = (2,), is_w8a8: bool = False):
     """A MoE layer: expert 2 GPU-resident (here: this CPU), the others int8 on the CPU operator (float activations,
-    exact to the stored weights) in two partitions; `min_tokens` > 0: steps that long stream them in units of 3
-    experts (partition 0: [0, 3), [3, 6), [6, 7)) but for `share` of them."""
+    exact to the stored weights; `is_w8a8`: int8 activation rows) in two partitions; `min_tokens` > 0: steps that
+    long stream them in units of 3 experts (partition 0: [0, 3), [3, 6), [6, 7)) but for `share` of them."""
     gate, up, down, extra = random_experts(torch.Generator().manual_seed(seed), E, H, INTER, is_gpt_oss)
     moe = types.SimpleNamespace(num_experts=E, intermediate_size=INTER,
                                 expert_proj_names=("gate_proj", "up_proj", "down_proj"))
     config = types.SimpleNamespace(moe=moe, hidden_size=H)
     placement = ExpertPlacement({0: gpu_ids}) if gpu_ids else None
-    module = cpu_experts_factory(0, config, CpuHandoff(), placement, int8_activations=False,
+    module = cpu_experts_factory(0, config, CpuHandoff(), placement, int8_activations=is_w8a8,
                                  min_streamed_tokens=min_tokens, device=DEVICE, prefill_cpu_share=share)
     module.cpu_experts.load(PackedLayer.from_float(gate, up, down, dtype, group_size, num_partitions=2, **extra))
     for slot, expert in enumerate(gpu_ids):
@@ -273,6 +273,20 @@ def test_other_formats_split_alike(dtype, group_size):
     hidden, ids, weights = routed()
     want = split_layer(0.5, 0, dtype=dtype, group_size=group_size)(hidden, ids, weights)
     assert close(split_layer(0.5, 1, dtype=dtype, group_size=group_size)(hidden, ids, weights), want)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("dtype,group_size", [("int8", 0), ("int4", 32)])
+def test_a_split_w8a8_step_gives_the_all_cpu_layer_to_summation_order(dtype, group_size):
+    """W8A8 experts: the streamed ones (packed units, `acquire_rows`) round their rows to int8 as the CPU operator
+    does, so the split step's output is the all-CPU layer's to float32 summation order, far inside bf16's bound."""
+    # on the GPU where there is one (inputs and the layer's resident expert): the streamed units' kernel
+    hidden, ids, weights = (t.to(DEVICE) for t in routed())
+    want = split_layer(0.5, 0, dtype=dtype, group_size=group_size, is_w8a8=True).to(DEVICE)(hidden, ids, weights)
+    module = split_layer(0.5, 1, dtype=dtype, group_size=group_size, is_w8a8=True).to(DEVICE)
+    assert module.streamed.is_w8a8 and module.streamed.takes(hidden)
+    assert equal_but_rare_flips(module(hidden, ids, weights), want)
+    assert module.streamed.num_split_experts == [2, 3]
 
 
 @torch.no_grad()
