@@ -15,10 +15,11 @@ call by token count:
   the float formats), then runs it partition by partition; each streams every routed expert's rows once,
   dequantizing in registers. In the engine the decode pool's pinned threads run the same loop bodies
   (`cpu_experts.decode_pool`), for graph and eager decode steps;
-- prefill (many tokens, and bf16 experts at any count): the layer's GEMM backend (`make_prefill`): AMX-INT8
-  (`prefill_amx`, `prefill_amx_grouped`), AMX-BF16 for the float formats (`prefill_amx_float`), oneDNN for
-  per-channel int8 (`prefill_int8`), else each routed expert dequantized and multiplied by PyTorch
-  (`prefill.DequantPrefill`).
+- prefill (many tokens, and bf16 experts at any count): one driver (`cpu_experts.prefill.Prefill`: activations
+  prepared once, per partition gate_up -> act -> down into one output) over the layer's GEMM backend
+  (`make_prefill`): AMX-INT8 (`prefill_amx`, `prefill_amx_grouped`), AMX-BF16 for the float formats
+  (`prefill_amx_float`), oneDNN for per-channel int8 (`prefill_int8`), else each routed expert dequantized and
+  multiplied by PyTorch (`prefill.DequantBackend`).
 The float formats compute on bfloat16 activations whatever `int8_activations` says: each matmul's input is rounded
 to bf16 on both paths, products and sums in float32 (the format's published contract).
 """
@@ -43,8 +44,8 @@ from cpu_experts import (
 )
 from cpu_experts.kernel_table import CpuFeatures, ExpertKernels, select
 from cpu_experts.packed import PackedLayer
-from cpu_experts.prefill import DequantPrefill, Workspace
-from cpu_experts.prefill_int8 import Int8Prefill
+from cpu_experts.prefill import DequantBackend, Prefill, Workspace
+from cpu_experts.prefill_int8 import OneDnnInt8Backend
 
 
 @dataclass(frozen=True)
@@ -133,10 +134,7 @@ class CpuMoE:
         if self.kernels.decode is not None and hidden.shape[0] < self.prefill_min_tokens:
             out = torch.from_numpy(self.decode(_float32(hidden), routing))
             return self._with_bias(out, routing).to(hidden.dtype)
-        if isinstance(self.prefill, DequantPrefill):  # PyTorch matmuls, in the activations' dtype
-            dtype = hidden.dtype if hidden.dtype in (torch.bfloat16, torch.float32) else torch.float32
-            return self._with_bias(self.prefill(hidden.detach().to(dtype), routing), routing).to(hidden.dtype)
-        return self._with_bias(torch.from_numpy(self.prefill(_float32(hidden), routing)), routing).to(hidden.dtype)
+        return self._with_bias(self.prefill(hidden, routing), routing).to(hidden.dtype)
 
     def decode(self, x: np.ndarray, routing: Routing) -> np.ndarray:
         """The decode driver: x float32 [T, H] prepared once for the layer's kernel (`DECODE_KERNELS`), then its
@@ -239,18 +237,21 @@ DECODE_KERNELS = {
 }
 
 
-def make_prefill(kernels: ExpertKernels, layer: PackedLayer, workspace: Workspace):
-    """The layer's prefill backend (`kernels.prefill`, a `kernel_table.PREFILL` key chosen by `select`)."""
+def make_prefill(kernels: ExpertKernels, layer: PackedLayer, workspace: Workspace) -> Prefill:
+    """The layer's prefill: the one driver over its GEMM backend (`kernels.prefill`, a `kernel_table.PREFILL` key
+    chosen by `select`)."""
     if kernels.prefill == "amx-bf16":
-        return prefill_amx_float.FloatAmxPrefill(layer, workspace)
-    if kernels.prefill == "amx-int8":
-        return prefill_amx.AmxPrefill(layer, workspace)
-    if kernels.prefill == "amx-int8-grouped":
-        return prefill_amx_grouped.GroupedAmxPrefill(layer, workspace)
-    if kernels.prefill == "onednn-int8":
-        return Int8Prefill(layer, workspace)
-    return DequantPrefill(layer, workspace, round_activations=kernels.is_w8a8,
-                          bf16_activations=kernels.activations == "bf16")
+        backend = prefill_amx_float.AmxFloatBackend(layer)
+    elif kernels.prefill == "amx-int8":
+        backend = prefill_amx.AmxInt8Backend(layer)
+    elif kernels.prefill == "amx-int8-grouped":
+        backend = prefill_amx_grouped.AmxGroupedBackend(layer)
+    elif kernels.prefill == "onednn-int8":
+        backend = OneDnnInt8Backend(layer)
+    else:
+        backend = DequantBackend(layer, round_activations=kernels.is_w8a8,
+                                 bf16_activations=kernels.activations == "bf16")
+    return Prefill(backend, workspace)
 
 
 def _float32(hidden: torch.Tensor) -> np.ndarray:

@@ -1,5 +1,6 @@
 """Prefill of per-channel int8 experts on AMX (Intel Sapphire Rapids and later): our own grouped int8 GEMM over the
-experts' stored layout, through LLVM's AMX intrinsics from numba.
+experts' stored layout, through LLVM's AMX intrinsics from numba; the backend `AmxInt8Backend` of the one prefill
+driver (`cpu_experts.prefill.Prefill`).
 
 Why not oneDNN (`cpu_experts.prefill_int8`, the path CPUs without AMX take): one `_int_mm` call per expert and
 projection, each with its own thread fork/join and a reorder of its right operand, spent more time around the
@@ -8,8 +9,8 @@ multiplications than in them. Here one parallel loop covers every expert of a pr
 Operands (an AMX tile is 16 rows of 64 bytes; `tdpbssd` C[16, 16] int32 += A[16, 64] int8 . B[16, 64] int8):
 - A: 16 weight rows x 64 columns, loaded in place from the [E, N, K] weights (row stride K): nothing is repacked.
 - B: 16 tokens x 64 columns in the VNNI layout AMX wants (row r = 4-byte words r of the 16 tokens): the call's
-  activations are packed once per call (`pack_vnni`): expert u's block holds its n_u columns (pairs, padded to
-  16) as [K / 64][n_u / 16][16][16] int32 words, starting at word K / 4 * col_offsets[u].
+  activations (and each partition's act) are packed (`int8_operand`, `pack_vnni`): expert u's block holds its n_u
+  columns (pairs, padded to 16) as [K / 64][n_u / 16][16][16] int32 words, starting at word K / 4 * col_offsets[u].
 - C: 16 weight rows x 16 tokens, stored to a scratch and finished by numba epilogues (scales, SiLU, combine).
 
 The micro-kernel (`_tiles`) runs two weight row blocks A0, A1 against one or two column tiles B0, B1 over all of
@@ -30,15 +31,16 @@ import types as pytypes
 import llvmlite.binding as llvm
 import numba
 import numpy as np
+import torch
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from cpu_experts.kernels import activation, epilogues
-from cpu_experts.packed import PackedLayer
-from cpu_experts.prefill import Workspace
-from cpu_experts.prefill_int8 import COLUMN_TILE, quantize_rows
+from cpu_experts.kernels import activation
+from cpu_experts.packed import PackedLayer, PartitionWeights
+from cpu_experts.prefill import PrefillCall, float32_rows
+from cpu_experts.prefill_int8 import quantize_rows
 
 FLAGS = dict(parallel=True, fastmath=True, nogil=True, cache=True)
 TILE_ROWS, TILE_BYTES = 16, 64
@@ -379,45 +381,53 @@ def reference_kernels():
     return replace_tiles(gate_up_amx), replace_tiles(down_amx)
 
 
-class AmxPrefill:
-    """The W8A8 prefill of the module docstring over a `Workspace`; `kernels` (tests): see `reference_kernels`."""
+def down_task_rows(hidden: int) -> int:
+    """Rows of H a down task of the AMX kernels owns: pairs of 16-row blocks, one task per thread."""
+    return 2 * TILE_ROWS * -(-(hidden // (2 * TILE_ROWS)) // numba.get_num_threads())
 
-    def __init__(self, layer: PackedLayer, workspace: Workspace, kernels=None):
+
+def int8_operand(call: PrefillCall, rows: np.ndarray, src_rows: np.ndarray, name: str,
+                 permute=None) -> tuple[np.ndarray, np.ndarray]:
+    """float32 rows [R, K] -> (their B operand (int8 view of `pack_vnni`'s words), their scales [R]): each row
+    rounded to int8 with its own scale (`quantize_rows`), column c of expert u = row src_rows[offsets[u] + c];
+    `permute` (`prefill_amx_grouped`): applied to the int8 rows before packing. Buffers `{name}_q`, `{name}_v`."""
+    ws, r = call.workspace, call.routing
+    q = ws.array(f"{name}_q", rows.shape, np.int8)
+    scales = np.empty(rows.shape[0], dtype=np.float32)
+    quantize_rows(rows, q, scales)
+    if permute is not None:
+        q = permute(q)
+    packed = ws.array(f"{name}_v", (rows.shape[1] // 4 * call.num_cols,), np.int32)
+    pack_vnni(q.view(np.int32), src_rows, r.offsets, call.col_offsets, packed)
+    return packed.view(np.int8), scales
+
+
+class AmxInt8Backend:
+    """The W8A8 grouped GEMM of the module docstring, a `prefill.PrefillBackend`; `kernels` (tests): see
+    `reference_kernels`."""
+
+    uses_columns = True
+
+    def __init__(self, layer: PackedLayer, kernels=None):
         if not is_supported(layer):
-            raise ValueError("AmxPrefill needs per-channel int8 experts with H and each partition's I multiples "
+            raise ValueError("AmxInt8Backend needs per-channel int8 experts with H and each partition's I multiples "
                              f"of {TILE_BYTES}")
         self.layer = layer
-        self.ws = workspace
         self.cfg = tile_config()
-        self.gate_up, self.down = kernels or (gate_up_amx, down_amx)
-        self.epilogues = epilogues(layer)
+        self.gate_up_kernel, self.down_kernel = kernels or (gate_up_amx, down_amx)
 
-    def __call__(self, x: np.ndarray, routing) -> np.ndarray:
-        ws, r = self.ws, routing
-        num_tokens, hidden = x.shape
-        num_pairs = len(r.pair_token)
-        counts = np.diff(r.offsets)
-        col_offsets = np.zeros(len(counts) + 1, dtype=np.int64)
-        np.cumsum(-(-counts // COLUMN_TILE) * COLUMN_TILE, out=col_offsets[1:])
-        num_cols = int(col_offsets[-1])
-        x_q = ws.array("x_q", x.shape, np.int8)
-        x_scale = np.empty(num_tokens, dtype=np.float32)
-        quantize_rows(x, x_q, x_scale)
-        x_v = ws.array("x_v", (hidden // 4 * num_cols,), np.int32)
-        pack_vnni(x_q.view(np.int32), r.pair_token, r.offsets, col_offsets, x_v)
-        pair_rows = np.arange(num_pairs, dtype=np.int64)
-        blocks = hidden // (2 * TILE_ROWS)
-        task_rows = 2 * TILE_ROWS * -(-blocks // numba.get_num_threads())  # one task of down_amx per thread
-        a_scale = np.empty(num_pairs, dtype=np.float32)
-        out = np.zeros(x.shape, dtype=np.float32)
-        for part, epilogue in zip(self.layer.partitions, self.epilogues, strict=True):
-            act = ws.array("act", (num_pairs, part.size), np.float32)
-            self.gate_up(self.cfg, part.gate, part.up, part.gate_scales, part.up_scales, r.experts, r.offsets,
-                         r.pair_token, col_offsets, x_v.view(np.int8), x_scale, epilogue, act)
-            a_q = ws.array("a_q", act.shape, np.int8)
-            quantize_rows(act, a_q, a_scale)
-            a_v = ws.array("a_v", (part.size // 4 * num_cols,), np.int32)
-            pack_vnni(a_q.view(np.int32), pair_rows, r.offsets, col_offsets, a_v)
-            self.down(self.cfg, part.down, part.down_scales, r.experts, r.offsets, r.pair_token, r.pair_weight,
-                      col_offsets, a_v.view(np.int8), a_scale, task_rows, out)
-        return out
+    def activations(self, hidden: torch.Tensor, call: PrefillCall) -> tuple[np.ndarray, np.ndarray]:
+        return int8_operand(call, float32_rows(hidden), call.routing.pair_token, "x")
+
+    def gate_up(self, call: PrefillCall, part: PartitionWeights, epilogue, x) -> np.ndarray:
+        r, (x_v, x_scale) = call.routing, x
+        act = call.workspace.array("act", (len(r.pair_token), part.size), np.float32)
+        self.gate_up_kernel(self.cfg, part.gate, part.up, part.gate_scales, part.up_scales, r.experts, r.offsets,
+                            r.pair_token, call.col_offsets, x_v, x_scale, epilogue, act)
+        return act
+
+    def down(self, call: PrefillCall, part: PartitionWeights, act: np.ndarray, out: np.ndarray) -> None:
+        r = call.routing
+        a_v, a_scale = int8_operand(call, act, call.pair_rows, "a")
+        self.down_kernel(self.cfg, part.down, part.down_scales, r.experts, r.offsets, r.pair_token, r.pair_weight,
+                         call.col_offsets, a_v, a_scale, down_task_rows(out.shape[1]), out)

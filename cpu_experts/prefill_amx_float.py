@@ -1,5 +1,6 @@
 """Prefill of FP8, MXFP4 and NVFP4 experts on AMX-BF16: the grouped GEMM of `cpu_experts.prefill_amx_grouped` with
-`tdpbf16ps` (C float32 [16, 16] += A bf16 [16, 32] . B bf16 [16, 32 as 16 pairs]) on weights converted to bf16.
+`tdpbf16ps` (C float32 [16, 16] += A bf16 [16, 32] . B bf16 [16, 32 as 16 pairs]) on weights converted to bf16; the
+backend `AmxFloatBackend` of the one prefill driver (`cpu_experts.prefill.Prefill`).
 
 Numerics (the float formats' contract, as the decode kernels `kernels_fp8` / `kernels_fp4` and
 `reference.moe_reference(bf16_activations=True)`): every matmul input (the hidden rows, act = silu(gate) * up) is
@@ -21,7 +22,7 @@ Operands (the tile layouts of `prefill_amx`, 64 bytes a tile row = 32 bf16 colum
   a time, multiplied while in L1 (`prefill_amx_float_chunked`). The first kernels converted whole rows into a
   scratch; the chunked ones replaced them at 1.39-1.54x with the same outputs bit for bit (docs/benchmarks.md).
 - B: the call's bf16 activations in AMX's pair layout (row r of a tile = the 4-byte column pair r of 16 tokens),
-  packed once per call (`prefill_amx.pack_vnni` on bf16 rows viewed as pairs).
+  packed once per call, each partition's bf16 act likewise (`prefill_amx.pack_vnni` on bf16 rows viewed as pairs).
 All offsets handed to the tile functions are in bytes. `reference_kernels` replaces the tile instructions by a
 plain-numba reference (tests on CPUs without AMX). Needs H and every partition's I to be multiples of 32 and an
 FP8 group that is a multiple of 32 (`is_supported`).
@@ -36,17 +37,17 @@ from llvmlite import ir
 from numba import njit
 
 from cpu_experts import formats
-from cpu_experts.kernels import activation, bf16_bits, epilogues
-from cpu_experts.packed import PackedLayer
-from cpu_experts.prefill import Workspace
+from cpu_experts.kernels import activation, bf16_bits
+from cpu_experts.packed import PackedLayer, PartitionWeights
+from cpu_experts.prefill import PrefillCall, float32_rows
 from cpu_experts.prefill_amx import (
     TILE_BYTES,
     TILE_ROWS,
+    down_task_rows,
     has_amx,
     pack_vnni,
     tile_config,
 )
-from cpu_experts.prefill_int8 import COLUMN_TILE
 
 FLAGS = dict(parallel=True, fastmath=True, nogil=True, cache=True)
 STEP = TILE_BYTES // 2  # bf16 columns a tile step
@@ -195,69 +196,68 @@ def _check_call(x: np.ndarray, routing, num_experts: int, hidden: int) -> None:
         raise ValueError(f"routing experts outside [0, {num_experts})")
 
 
-class FloatAmxPrefill:
-    """The bf16 AMX prefill of the module docstring over a `Workspace`; `kernels` (tests): see
+class AmxFloatBackend:
+    """The bf16 AMX GEMM of the module docstring, a `prefill.PrefillBackend`; `kernels` (tests): see
     `reference_kernels`. Every call's inputs are checked first: the kernels index without bounds checks."""
 
-    def __init__(self, layer: PackedLayer, workspace: Workspace, kernels=None):
+    uses_columns = True
+
+    def __init__(self, layer: PackedLayer, kernels=None):
         if not is_supported(layer):
-            raise ValueError(f"FloatAmxPrefill needs fp8, mxfp4 or nvfp4 experts with H and each partition's I "
+            raise ValueError(f"AmxFloatBackend needs fp8, mxfp4 or nvfp4 experts with H and each partition's I "
                              f"multiples of {STEP} and an fp8 group size that is a multiple of {STEP}")
         _check_layer(layer)
         self.layer = layer
         self.spec = layer.spec
         self.fmt = FORMATS[self.spec.dtype]
-        self.ws = workspace
         self.cfg = tile_config()
         if kernels is None:
             # the tiles without the process's permission (requested by has_amx_bf16) are an illegal instruction
             if not has_amx_bf16():
-                raise RuntimeError("FloatAmxPrefill's tile kernels need AMX-BF16 and the tile permission, which "
+                raise RuntimeError("AmxFloatBackend's tile kernels need AMX-BF16 and the tile permission, which "
                                    "this process lacks (has_amx_bf16() is False); pass kernels= to run others")
             from cpu_experts import prefill_amx_float_chunked  # built on this module's pieces: imported here
 
             kernels = prefill_amx_float_chunked.kernels()
-        self.gate_up, self.down = kernels
+        self.gate_up_kernel, self.down_kernel = kernels
         self.ones = np.ones(self.spec.num_experts, dtype=np.float32)  # the tensor scale of the formats without
-        self.epilogues = epilogues(layer)
+        self.width = max(self.spec.hidden_size, *(p.size for p in layer.partitions))
 
     def _tensor_scale(self, part, role: str) -> np.ndarray:
         ts = getattr(part, f"{role}_tensor_scale")
         return self.ones if ts is None else ts
 
-    def __call__(self, x: np.ndarray, routing) -> np.ndarray:
-        ws, r, spec = self.ws, routing, self.spec
-        _check_call(x, r, spec.num_experts, spec.hidden_size)
-        num_tokens, hidden = x.shape
-        num_pairs = len(r.pair_token)
-        col_offsets = np.zeros(len(r.experts) + 1, dtype=np.int64)
-        np.cumsum(-(-np.diff(r.offsets) // COLUMN_TILE) * COLUMN_TILE, out=col_offsets[1:])
-        num_cols = int(col_offsets[-1])
-        max_ct = int(np.diff(col_offsets).max(initial=0)) // TILE_ROWS
+    def activations(self, hidden: torch.Tensor, call: PrefillCall):
+        """(x's B operand as bf16 bits, the kernels' per-thread buffers for this call's column tiles)."""
+        ws, r, x = call.workspace, call.routing, float32_rows(hidden)
+        _check_call(x, r, self.spec.num_experts, self.spec.hidden_size)
         x_bf16 = ws.tensor("x_bf16", x.shape, torch.bfloat16)
         x_bf16.copy_(torch.from_numpy(x))  # rounded to nearest even
-        x_v = ws.array("x_v", (hidden // 2 * num_cols,), np.int32)
-        pack_vnni(x_bf16.view(torch.int32).numpy(), r.pair_token, r.offsets, col_offsets, x_v)
-        num_threads = numba.get_num_threads()
-        width = max(hidden, *(p.size for p in self.layer.partitions))
+        x_v = ws.array("x_v", (x.shape[1] // 2 * call.num_cols,), np.int32)
+        pack_vnni(x_bf16.view(torch.int32).numpy(), r.pair_token, r.offsets, call.col_offsets, x_v)
+        num_threads, width = numba.get_num_threads(), self.width
+        max_ct = int(np.diff(call.col_offsets).max(initial=0)) // TILE_ROWS
         # per thread: a chunk and the passes' C tiles, in the room the first kernels' whole rows took (what ran on
         # AMX; not tightened without a device run)
         scratch = ws.array("a_bf16", (num_threads, 2 * TILE_ROWS * max(width, CHUNK)), np.uint16)
         floats = max(2 * TILE_ROWS * (width // STEP), 2 * (-(-max_ct // 2)) * C_FLOATS + 2 * TILE_ROWS)
         row_scales = ws.array("a_scales", (num_threads, floats), np.float32)
         factors = ws.array("a_factors", (num_threads, width // FP4_BLOCK), np.float32)
-        task_rows = 2 * TILE_ROWS * -(-(hidden // (2 * TILE_ROWS)) // num_threads)  # one down task per thread
-        pair_rows = np.arange(num_pairs, dtype=np.int64)
-        group = spec.group_size
-        out = np.zeros(x.shape, dtype=np.float32)
-        for part, epilogue in zip(self.layer.partitions, self.epilogues, strict=True):
-            act = ws.array("act_bf16", (num_pairs, part.size), np.uint16)
-            self.gate_up(self.cfg, self.fmt, part.gate, part.gate_scales, self._tensor_scale(part, "gate"), part.up,
-                         part.up_scales, self._tensor_scale(part, "up"), group, r.experts, r.offsets, col_offsets,
-                         x_v.view(np.uint16), scratch, row_scales, factors, epilogue, act)
-            a_v = ws.array("a_v", (part.size // 2 * num_cols,), np.int32)
-            pack_vnni(act.view(np.int32), pair_rows, r.offsets, col_offsets, a_v)
-            self.down(self.cfg, self.fmt, part.down, part.down_scales, self._tensor_scale(part, "down"), group,
-                      r.experts, r.offsets, r.pair_token, r.pair_weight, col_offsets, a_v.view(np.uint16), task_rows,
-                      scratch, row_scales, factors, out)
-        return out
+        return x_v.view(np.uint16), (scratch, row_scales, factors)
+
+    def gate_up(self, call: PrefillCall, part: PartitionWeights, epilogue, x) -> np.ndarray:
+        """bf16(act) bits [P, Ip]."""
+        r, (x_v, buffers) = call.routing, x
+        act = call.workspace.array("act_bf16", (len(r.pair_token), part.size), np.uint16)
+        self.gate_up_kernel(self.cfg, self.fmt, part.gate, part.gate_scales, self._tensor_scale(part, "gate"),
+                            part.up, part.up_scales, self._tensor_scale(part, "up"), self.spec.group_size, r.experts,
+                            r.offsets, call.col_offsets, x_v, *buffers, epilogue, act)
+        return act, buffers
+
+    def down(self, call: PrefillCall, part: PartitionWeights, act, out: np.ndarray) -> None:
+        r, (act_bf16, buffers) = call.routing, act
+        a_v = call.workspace.array("a_v", (part.size // 2 * call.num_cols,), np.int32)
+        pack_vnni(act_bf16.view(np.int32), call.pair_rows, r.offsets, call.col_offsets, a_v)
+        self.down_kernel(self.cfg, self.fmt, part.down, part.down_scales, self._tensor_scale(part, "down"),
+                         self.spec.group_size, r.experts, r.offsets, r.pair_token, r.pair_weight, call.col_offsets,
+                         a_v.view(np.uint16), down_task_rows(out.shape[1]), *buffers, out)

@@ -1,5 +1,6 @@
 """Prefill of group-wise quantized experts (int4, and int8 with groups) on AMX: the grouped GEMM of
-`cpu_experts.prefill_amx`, with one scale per weight row per group of input columns.
+`cpu_experts.prefill_amx`, with one scale per weight row per group of input columns; the backend
+`AmxGroupedBackend` of the one prefill driver (`cpu_experts.prefill.Prefill`).
 
 W8A8 with group scales: y[n, t] = x_scale[t] * sum_g w_scale[n, g] * (sum_{k in g} w_q[n, k] * x_q[t, k]). The
 integer sum of a group is exact in int32, so each group's tiles are zeroed, accumulated over the group's 64-column
@@ -24,16 +25,19 @@ Needs H and every partition's I to be multiples of 64, the group size 32 or a mu
 
 from __future__ import annotations
 
+import functools
+
 import numba
 import numpy as np
+import torch
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from cpu_experts.kernels import activation, epilogues, scale_value
-from cpu_experts.packed import PackedLayer
-from cpu_experts.prefill import Workspace
+from cpu_experts.kernels import activation, scale_value
+from cpu_experts.packed import PackedLayer, PartitionWeights
+from cpu_experts.prefill import PrefillCall, float32_rows
 from cpu_experts.prefill_amx import (
     TILE_BYTES,
     TILE_ROWS,
@@ -42,11 +46,11 @@ from cpu_experts.prefill_amx import (
     _ptr,
     _tile_begin,
     _tile_end,
-    pack_vnni,
+    down_task_rows,
+    int8_operand,
     replace_tiles,
     tile_config,
 )
-from cpu_experts.prefill_int8 import COLUMN_TILE, quantize_rows
 
 FLAGS = dict(parallel=True, fastmath=True, nogil=True, cache=True)
 HALF_GROUP = TILE_BYTES // 2  # group 32: half a 64-column step
@@ -243,55 +247,43 @@ def reference_kernels():
     return replace_tiles(gate_up_grouped), replace_tiles(down_grouped)
 
 
-class GroupedAmxPrefill:
-    """The W8A8 prefill of the module docstring over a `Workspace`; `kernels` (tests): see `reference_kernels`."""
+class AmxGroupedBackend:
+    """The W8A8 grouped GEMM of the module docstring, a `prefill.PrefillBackend`; `kernels` (tests): see
+    `reference_kernels`."""
 
-    def __init__(self, layer: PackedLayer, workspace: Workspace, kernels=None):
+    uses_columns = True
+
+    def __init__(self, layer: PackedLayer, kernels=None):
         if not is_supported(layer):
-            raise ValueError("GroupedAmxPrefill needs int4 or grouped int8 experts with H and each partition's I "
+            raise ValueError("AmxGroupedBackend needs int4 or grouped int8 experts with H and each partition's I "
                              f"multiples of {TILE_BYTES} and a group size of {HALF_GROUP} or a multiple of "
                              f"{TILE_BYTES}")
         self.layer = layer
         self.spec = layer.spec
         self.is_int4 = self.spec.dtype == "int4"
-        self.ws = workspace
-        self.unit = permutation_unit(self.spec.group_size)
+        # int4 weights are unpacked even columns first within each unit: their activations are permuted alike
+        unit = permutation_unit(self.spec.group_size)
+        self.permute = functools.partial(permute_columns, unit=unit) if self.is_int4 else None
         self.cfg = tile_config(HALF_GROUP if self.spec.group_size == HALF_GROUP else TILE_BYTES)
-        self.gate_up, self.down = kernels or (gate_up_grouped, down_grouped)
-        self.epilogues = epilogues(layer)
+        self.gate_up_kernel, self.down_kernel = kernels or (gate_up_grouped, down_grouped)
 
-    def _packed(self, q: np.ndarray, name: str, cols: int, src_rows, r, col_offsets) -> np.ndarray:
-        """int8 rows -> their B operand (`prefill_amx.pack_vnni`), columns permuted for int4 weights."""
-        if self.is_int4:
-            q = permute_columns(q, self.unit)
-        packed = self.ws.array(name, (cols // 4 * int(col_offsets[-1]),), np.int32)
-        pack_vnni(q.view(np.int32), src_rows, r.offsets, col_offsets, packed)
-        return packed.view(np.int8)
+    def activations(self, hidden: torch.Tensor, call: PrefillCall) -> tuple[np.ndarray, np.ndarray]:
+        return int8_operand(call, float32_rows(hidden), call.routing.pair_token, "x", self.permute)
 
-    def __call__(self, x: np.ndarray, routing) -> np.ndarray:
-        ws, r, group = self.ws, routing, self.spec.group_size
-        num_tokens, hidden = x.shape
-        num_pairs = len(r.pair_token)
-        col_offsets = np.zeros(len(r.experts) + 1, dtype=np.int64)
-        np.cumsum(-(-np.diff(r.offsets) // COLUMN_TILE) * COLUMN_TILE, out=col_offsets[1:])
-        x_q = ws.array("x_q", x.shape, np.int8)
-        x_scale = np.empty(num_tokens, dtype=np.float32)
-        quantize_rows(x, x_q, x_scale)
-        x_v = self._packed(x_q, "x_v", hidden, r.pair_token, r, col_offsets)
-        pair_rows = np.arange(num_pairs, dtype=np.int64)
-        num_threads = numba.get_num_threads()
-        task_rows = 2 * TILE_ROWS * -(-(hidden // (2 * TILE_ROWS)) // num_threads)  # one down task per thread
-        a_scale = np.empty(num_pairs, dtype=np.float32)
-        out = np.zeros(x.shape, dtype=np.float32)
-        for part, epilogue in zip(self.layer.partitions, self.epilogues, strict=True):
-            act = ws.array("act", (num_pairs, part.size), np.float32)
-            scratch = ws.array("a_gate_up", (num_threads, 2 * TILE_ROWS * hidden), np.int8)
-            self.gate_up(self.cfg, part.gate, part.up, part.gate_scales, part.up_scales, r.experts, r.offsets,
-                         r.pair_token, col_offsets, x_v, x_scale, group, self.is_int4, scratch, epilogue, act)
-            a_q = ws.array("a_q", act.shape, np.int8)
-            quantize_rows(act, a_q, a_scale)
-            a_v = self._packed(a_q, "a_v", part.size, pair_rows, r, col_offsets)
-            scratch = ws.array("a_down", (num_threads, 2 * TILE_ROWS * part.size), np.int8)
-            self.down(self.cfg, part.down, part.down_scales, r.experts, r.offsets, r.pair_token, r.pair_weight,
-                      col_offsets, a_v, a_scale, group, self.is_int4, task_rows, scratch, out)
-        return out
+    def gate_up(self, call: PrefillCall, part: PartitionWeights, epilogue, x) -> np.ndarray:
+        ws, r, (x_v, x_scale) = call.workspace, call.routing, x
+        hidden = self.spec.hidden_size
+        act = ws.array("act", (len(r.pair_token), part.size), np.float32)
+        scratch = ws.array("a_gate_up", (numba.get_num_threads(), 2 * TILE_ROWS * hidden), np.int8)
+        self.gate_up_kernel(self.cfg, part.gate, part.up, part.gate_scales, part.up_scales, r.experts, r.offsets,
+                            r.pair_token, call.col_offsets, x_v, x_scale, self.spec.group_size, self.is_int4,
+                            scratch, epilogue, act)
+        return act
+
+    def down(self, call: PrefillCall, part: PartitionWeights, act: np.ndarray, out: np.ndarray) -> None:
+        ws, r = call.workspace, call.routing
+        a_v, a_scale = int8_operand(call, act, call.pair_rows, "a", self.permute)
+        scratch = ws.array("a_down", (numba.get_num_threads(), 2 * TILE_ROWS * part.size), np.int8)
+        self.down_kernel(self.cfg, part.down, part.down_scales, r.experts, r.offsets, r.pair_token, r.pair_weight,
+                         call.col_offsets, a_v, a_scale, self.spec.group_size, self.is_int4,
+                         down_task_rows(out.shape[1]), scratch, out)

@@ -1,4 +1,5 @@
-"""Prefill of per-channel int8 experts: int8 x int8 -> int32 matmuls (W8A8) with the weights as the left operand.
+"""Prefill of per-channel int8 experts on CPUs without AMX: int8 x int8 -> int32 matmuls (W8A8) with the weights as
+the left operand; the backend `OneDnnInt8Backend` of the one prefill driver (`cpu_experts.prefill.Prefill`).
 
 oneDNN (`torch._int_mm`, AMX-INT8 or VNNI where the CPU has them) reads its left operand in the layout it is
 stored, while the right one is reordered into its blocked form on every call. The expert weights [N, K] are the
@@ -7,8 +8,8 @@ right, transposed: per expert, acc[N, n] = W[N, K] @ X^T[K, n]. With the weights
 reorders every routed expert's weights on every call, which measured 15-30% slower and worse with more row tiles.
 
 Column layout: expert u's (token, slot) pairs (contiguous in `Routing`) are the columns of its blocks, padded to
-a multiple of `COLUMN_TILE` (the shapes oneDNN sees stay few, so its kernels are reused); block u of a [K, cols]
-buffer starts at `K * col_offsets[u]` and is [K, n_u] row-major. Per partition of I:
+a multiple of `prefill.COLUMN_TILE` (the shapes oneDNN sees stay few, so its kernels are reused); block u of a
+[K, cols] buffer starts at `K * col_offsets[u]` and is [K, n_u] row-major. Once per call, then per partition of I:
 
 1. `pack_columns`: x_q (int8 rows, one scale per token) -> xT blocks                           [H, n_u]
 2. per expert: gate_acc = gate[e] @ xT, up_acc = up[e] @ xT                                     [Ip, n_u] int32
@@ -23,11 +24,10 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from cpu_experts.kernels import activation, epilogues, quantize_row
-from cpu_experts.packed import PackedLayer
-from cpu_experts.prefill import Workspace
+from cpu_experts.kernels import activation, quantize_row
+from cpu_experts.packed import PackedLayer, PartitionWeights
+from cpu_experts.prefill import PrefillCall, float32_rows
 
-COLUMN_TILE = 16  # columns per expert block are padded to a multiple of this
 H_BLOCK = 64  # rows of H per task in `combine_columns`
 FLAGS = dict(parallel=True, fastmath=True, nogil=True, cache=True)
 
@@ -110,52 +110,54 @@ def combine_columns(down_acc, experts, offsets, pair_token, pair_weight, col_off
                     o[h] += c * down_s[e, h, 0] * np.float32(down_acc[base + h * n + j])
 
 
-class Int8Prefill:
-    """The steps of the module docstring over a `Workspace` (no buffer is allocated per call once it has grown)."""
+class OneDnnInt8Backend:
+    """The steps of the module docstring, a `prefill.PrefillBackend` (its buffers in the call's `Workspace`)."""
 
-    def __init__(self, layer: PackedLayer, workspace: Workspace):
+    uses_columns = True
+
+    def __init__(self, layer: PackedLayer):
         self.layer = layer
-        self.ws = workspace
-        self.views = [tuple(torch.from_numpy(w) for w in (p.gate, p.up, p.down)) for p in layer.partitions]
-        self.epilogues = epilogues(layer)
 
-    def __call__(self, x: np.ndarray, routing) -> np.ndarray:
-        ws, r = self.ws, routing
-        hidden = x.shape[1]
-        counts = np.diff(r.offsets)
-        col_offsets = np.zeros(len(counts) + 1, dtype=np.int64)
-        np.cumsum(-(-counts // COLUMN_TILE) * COLUMN_TILE, out=col_offsets[1:])
-        num_cols = int(col_offsets[-1])
+    def activations(self, hidden: torch.Tensor, call: PrefillCall) -> tuple[np.ndarray, np.ndarray]:
+        """Step 1: (xT blocks, the tokens' scales)."""
+        ws, r, x = call.workspace, call.routing, float32_rows(hidden)
         x_q = ws.array("x_q", x.shape, np.int8)
         x_scale = np.empty(x.shape[0], dtype=np.float32)
         quantize_rows(x, x_q, x_scale)
-        x_t = ws.array("x_t", (hidden * num_cols,), np.int8)
-        pack_columns(x_q, r.offsets, r.pair_token, col_offsets, x_t)
-        act_scale = np.empty(len(r.pair_token), dtype=np.float32)
-        out = np.zeros(x.shape, dtype=np.float32)
-        for part, (gate, up, down), epilogue in zip(self.layer.partitions, self.views, self.epilogues, strict=True):
-            size = part.size
-            gate_acc = ws.array("gate_acc", (size * num_cols,), np.int32)
-            up_acc = ws.array("up_acc", (size * num_cols,), np.int32)
-            self._matmuls(((gate, x_t, gate_acc), (up, x_t, up_acc)), r.experts, col_offsets)
-            act_t = ws.array("act_t", (size * num_cols,), np.int8)
-            act_columns(gate_acc, up_acc, r.experts, r.offsets, r.pair_token, col_offsets, x_scale,
-                        part.gate_scales, part.up_scales, epilogue, ws.array("act", (size * num_cols,), np.float32),
-                        act_t, act_scale)
-            down_acc = ws.array("down_acc", (hidden * num_cols,), np.int32)
-            self._matmuls(((down, act_t, down_acc),), r.experts, col_offsets)
-            combine_columns(down_acc, r.experts, r.offsets, r.pair_token, r.pair_weight, col_offsets, act_scale,
-                            part.down_scales, out)
-        return out
+        x_t = ws.array("x_t", (x.shape[1] * call.num_cols,), np.int8)
+        pack_columns(x_q, r.offsets, r.pair_token, call.col_offsets, x_t)
+        return x_t, x_scale
 
-    @staticmethod
-    def _matmuls(products, experts: np.ndarray, col_offsets: np.ndarray) -> None:
-        """acc block u = weight[e] @ columns block u for each (weight [E, N, K], columns, acc) of `products`."""
-        bounds = col_offsets.tolist()
-        tensors = [(w, torch.from_numpy(c), torch.from_numpy(a)) for w, c, a in products]
-        for u, e in enumerate(experts.tolist()):
-            c0, n = bounds[u], bounds[u + 1] - bounds[u]
-            for weight, cols, acc in tensors:
-                rows, inner = weight.shape[1], weight.shape[2]
-                torch._int_mm(weight[e], cols[inner * c0:inner * (c0 + n)].view(inner, n),
-                              out=acc[rows * c0:rows * (c0 + n)].view(rows, n))
+    def gate_up(self, call: PrefillCall, part: PartitionWeights, epilogue, x) -> tuple[np.ndarray, np.ndarray]:
+        """Steps 2-3: (actT blocks, the pairs' act scales)."""
+        ws, r, (x_t, x_scale) = call.workspace, call.routing, x
+        size = part.size * call.num_cols
+        gate_acc, up_acc = ws.array("gate_acc", (size,), np.int32), ws.array("up_acc", (size,), np.int32)
+        _matmuls(((torch.from_numpy(part.gate), x_t, gate_acc), (torch.from_numpy(part.up), x_t, up_acc)),
+                 r.experts, call.col_offsets)
+        act_t = ws.array("act_t", (size,), np.int8)
+        act_scale = np.empty(len(r.pair_token), dtype=np.float32)
+        act_columns(gate_acc, up_acc, r.experts, r.offsets, r.pair_token, call.col_offsets, x_scale,
+                    part.gate_scales, part.up_scales, epilogue, ws.array("act", (size,), np.float32), act_t,
+                    act_scale)
+        return act_t, act_scale
+
+    def down(self, call: PrefillCall, part: PartitionWeights, act, out: np.ndarray) -> None:
+        """Steps 4-5."""
+        ws, r, (act_t, act_scale) = call.workspace, call.routing, act
+        down_acc = ws.array("down_acc", (out.shape[1] * call.num_cols,), np.int32)
+        _matmuls(((torch.from_numpy(part.down), act_t, down_acc),), r.experts, call.col_offsets)
+        combine_columns(down_acc, r.experts, r.offsets, r.pair_token, r.pair_weight, call.col_offsets, act_scale,
+                        part.down_scales, out)
+
+
+def _matmuls(products, experts: np.ndarray, col_offsets: np.ndarray) -> None:
+    """acc block u = weight[e] @ columns block u for each (weight [E, N, K], columns, acc) of `products`."""
+    bounds = col_offsets.tolist()
+    tensors = [(w, torch.from_numpy(c), torch.from_numpy(a)) for w, c, a in products]
+    for u, e in enumerate(experts.tolist()):
+        c0, n = bounds[u], bounds[u + 1] - bounds[u]
+        for weight, cols, acc in tensors:
+            rows, inner = weight.shape[1], weight.shape[2]
+            torch._int_mm(weight[e], cols[inner * c0:inner * (c0 + n)].view(inner, n),
+                          out=acc[rows * c0:rows * (c0 + n)].view(rows, n))

@@ -16,7 +16,7 @@ from cpu_experts import prefill_amx, prefill_amx_float, prefill_amx_grouped
 from cpu_experts.expert_file import SILU, SWIGLU_OAI, ExpertActivation, ExpertLayerSpec, dequantize_matrix
 from cpu_experts.operator import CpuMoE, route
 from cpu_experts.packed import PackedLayer
-from cpu_experts.prefill import DequantPrefill, Workspace
+from cpu_experts.prefill import DequantBackend, Prefill, Workspace
 from cpu_experts.reference import moe_reference
 
 E, H, I, TOP_K = 8, 80, 72, 2  # noqa: E741 (the shape letters of the project)
@@ -112,10 +112,10 @@ def test_matches_reference(dtype, group, partitions, int8_activations, is_vnni):
 
 @pytest.mark.parametrize("dtype,group", FORMATS + [("bf16", 0)])
 def test_dequantize_prefill(dtype, group):
-    """The dequantize-and-multiply backend (`DequantPrefill`), whatever `kernel_table.select` picks on this CPU."""
+    """The dequantize-and-multiply backend (`DequantBackend`), whatever `kernel_table.select` picks on this CPU."""
     layer, deq, biases = _layer(dtype, group, 2)
     is_float = dtype in ("fp8", "mxfp4", "nvfp4")
-    prefill = DequantPrefill(layer, Workspace(), round_activations=False, bf16_activations=is_float)
+    prefill = Prefill(DequantBackend(layer, round_activations=False, bf16_activations=is_float), Workspace())
     x, (ids, w) = _inputs(40, 3), _routing(40, 3)
     want = _reference(layer, deq, biases, x, ids, w, False)
     got = prefill(x, route(ids.numpy(), w.numpy(), E)) + _down_bias(biases[2], ids, w)
@@ -145,19 +145,19 @@ def amx_reference_kernels():
 def test_amx_prefill(amx_reference_kernels, backend, dtype, group, is_amx):
     """The AMX grouped GEMMs' epilogues with gpt-oss's activation and biases: on every CPU with the tile
     instructions replaced by plain numba (`reference_kernels`), the AMX instructions where the CPU has them."""
-    module, cls, has = {"amx": (prefill_amx, prefill_amx.AmxPrefill, prefill_amx.has_amx),
-                        "grouped": (prefill_amx_grouped, prefill_amx_grouped.GroupedAmxPrefill, prefill_amx.has_amx),
-                        "float": (prefill_amx_float, prefill_amx_float.FloatAmxPrefill,
+    module, cls, has = {"amx": (prefill_amx, prefill_amx.AmxInt8Backend, prefill_amx.has_amx),
+                        "grouped": (prefill_amx_grouped, prefill_amx_grouped.AmxGroupedBackend, prefill_amx.has_amx),
+                        "float": (prefill_amx_float, prefill_amx_float.AmxFloatBackend,
                                   prefill_amx_float.has_amx_bf16)}[backend]
     if is_amx and not has():
         pytest.skip("this CPU has no AMX")
     hidden, inter = 256, 192  # the tiles' sizes
     layer, deq, biases = _layer(dtype, group, 3, hidden=hidden, inter=inter)
-    op = cls(layer, Workspace(), None if is_amx else amx_reference_kernels[module])
+    op = Prefill(cls(layer, None if is_amx else amx_reference_kernels[module]), Workspace())
     for seed, num_tokens in enumerate([1, 33]):
         x, (ids, w) = _inputs(num_tokens, seed, hidden), _routing(num_tokens, seed)
         want = _reference(layer, deq, biases, x, ids, w, backend != "float")
-        got = torch.from_numpy(op(x.numpy(), route(ids.numpy(), w.numpy(), E))) + _down_bias(biases[2], ids, w)
+        got = op(x, route(ids.numpy(), w.numpy(), E)) + _down_bias(biases[2], ids, w)
         _assert_close(got, want, ROUNDED_TOL, f"{backend} {dtype}, {num_tokens} tokens")
 
 

@@ -247,7 +247,8 @@ def test_activations_are_bf16_whatever_int8_activations_says(quantized):
     x = torch.randn(17, H, generator=torch.Generator().manual_seed(2))
     for threshold in (None, 10**9, 1):  # the dtype's own (decode at 17 tokens), decode, prefill
         w8a8, float_ = (CpuMoE(layer, prefill_min_tokens=threshold, int8_activations=flag) for flag in (True, False))
-        assert not w8a8.is_w8a8 and w8a8.kernels.decode == "fp8" and isinstance(w8a8.prefill, prefill.DequantPrefill)
+        assert not w8a8.is_w8a8 and w8a8.kernels.decode == "fp8"
+        assert isinstance(w8a8.prefill.backend, prefill.DequantBackend)
         assert torch.equal(w8a8(x, ids, w), float_(x, ids, w))
 
 
@@ -309,7 +310,7 @@ def test_odd_sizes_match_reference(shape, partitions):
     hidden, inter, group, _ = ODD_SHAPES[shape]
     assert len(layer.partitions) == min(partitions, -(-inter // max(group, 32)))
     decode, prefill_ = CpuMoE(layer, prefill_min_tokens=10**9), CpuMoE(layer, prefill_min_tokens=1)
-    assert isinstance(prefill_.prefill, prefill.DequantPrefill)
+    assert isinstance(prefill_.prefill.backend, prefill.DequantBackend)
     for seed, (num_tokens, top_k) in enumerate([(1, 1), (3, 2), (17, 8), (300, 2)]):
         ids, w = routing(num_tokens, top_k, seed)
         x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(200 + seed))

@@ -241,7 +241,7 @@ def test_amx_prefill(amx_reference_kernels, partitions, is_amx, dtype, group):
     H = 256 (several groups) and I = 192 (3 x 64), odd column-tile counts, experts with many tokens and with one.
     Group 32 takes half steps along K; "stored int4": codes -8..7 and bfloat16 scales (`stored_int4_layer`)."""
     from cpu_experts import prefill_amx, prefill_amx_grouped
-    from cpu_experts.prefill import Workspace
+    from cpu_experts.prefill import Prefill, Workspace
 
     if is_amx and not prefill_amx.has_amx():
         pytest.skip("this CPU has no AMX")
@@ -256,15 +256,15 @@ def test_amx_prefill(amx_reference_kernels, partitions, is_amx, dtype, group):
         deq = [torch.stack([dequantize_matrix(*_parts(quantize_matrix(w[e], layer.spec)), role, layer.spec)
                             for e in range(num_experts)]) for w, role in zip(ws, ("gate", "up", "down"), strict=True)]
     module = prefill_amx if group == 0 else prefill_amx_grouped
-    prefill = prefill_amx.AmxPrefill if group == 0 else prefill_amx_grouped.GroupedAmxPrefill
-    op = prefill(layer, Workspace(), None if is_amx else amx_reference_kernels[module])
+    backend = prefill_amx.AmxInt8Backend if group == 0 else prefill_amx_grouped.AmxGroupedBackend
+    op = Prefill(backend(layer, None if is_amx else amx_reference_kernels[module]), Workspace())
     bounds = [(p.start, p.end) for p in layer.partitions]
     for seed, (num_tokens, top_k, case) in enumerate([(1, 2, "random"), (17, 8, "with_minus_one"),
                                                       (300, 2, "one_expert"), (70, 8, "random")]):
         ids, w = routing(num_tokens, top_k, case, seed)
         x = torch.randn(num_tokens, hidden, generator=gen)
         want = moe_reference(x, *deq, ids, w, int8_activations=True, partitions=bounds)
-        got = torch.from_numpy(op(x.numpy(), route(ids.numpy(), w.numpy(), num_experts)))
+        got = op(x, route(ids.numpy(), w.numpy(), num_experts))
         err = float((got - want).abs().max())
         assert err <= W8A8_REF_TOL * float(want.abs().max()), (num_tokens, top_k, case, err)
 

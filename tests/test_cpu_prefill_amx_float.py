@@ -27,7 +27,7 @@ from cpu_experts import formats, prefill_amx_float
 from cpu_experts.expert_file import ALLOWED_SCALES, ExpertLayerSpec, dequantize_matrix
 from cpu_experts.operator import CpuMoE, route
 from cpu_experts.packed import PackedLayer
-from cpu_experts.prefill import DequantPrefill, Workspace
+from cpu_experts.prefill import DequantBackend, Prefill, Workspace
 from cpu_experts.reference import moe_reference
 
 E, H, I = 8, 256, 192  # noqa: E741 (the shape letters of the project)
@@ -148,8 +148,12 @@ def test_matches_reference(kernels, layers, is_amx, fmt, group, kind, partitions
         pytest.skip("this CPU has no AMX-BF16")
     layer, (gate, up, down) = layers(fmt, group, kind, partitions)
     assert prefill_amx_float.is_supported(layer)
-    op = prefill_amx_float.FloatAmxPrefill(layer, Workspace(), None if is_amx else kernels)
+    op = prefill_op(layer, None if is_amx else kernels)
     check_calls(op, (gate, up, down), H, [(1, 1), (1, 8), (17, 1), (17, 8), (300, 1), (300, 8)], seed=5)
+
+
+def prefill_op(layer, kernels) -> Prefill:
+    return Prefill(prefill_amx_float.AmxFloatBackend(layer, kernels), Workspace())
 
 
 def check_calls(op, weights, hidden_size: int, calls, seed: int) -> None:
@@ -160,7 +164,7 @@ def check_calls(op, weights, hidden_size: int, calls, seed: int) -> None:
         ids, w = routing(num_tokens, top_k, routing_seed)
         x = torch.randn(num_tokens, hidden_size, generator=gen)
         want = moe_reference(x, gate, up, down, ids, w, bf16_activations=True)
-        got = torch.from_numpy(op(x.numpy(), route(ids.numpy(), w.numpy(), E)))
+        got = op(x, route(ids.numpy(), w.numpy(), E))
         assert_close(got, want, flip_bound(x, gate, up, down, ids, w), f"{num_tokens} tokens, top-{top_k}")
 
 
@@ -189,7 +193,7 @@ def test_chunks_across_groups(kernels, wide_layers, is_amx, fmt, group, kind):
         pytest.skip("this CPU has no AMX-BF16")
     layer, (gate, up, down) = wide_layers(fmt, group, kind)
     assert prefill_amx_float.is_supported(layer)
-    op = prefill_amx_float.FloatAmxPrefill(layer, Workspace(), None if is_amx else kernels)
+    op = prefill_op(layer, None if is_amx else kernels)
     check_calls(op, (gate, up, down), WIDE_H, [(1, 8), (3, 2), (17, 8), (300, 2)], seed=6)
 
 
@@ -212,12 +216,12 @@ def test_e8m0_extremes(kernels, extreme_layers, is_amx, fmt):
         pytest.skip("this CPU has no AMX-BF16")
     layer, (gate, up, down) = extreme_layers[fmt]
     assert prefill_amx_float.is_supported(layer) and len(layer.partitions) == 3
-    op = prefill_amx_float.FloatAmxPrefill(layer, Workspace(), None if is_amx else kernels)
+    op = prefill_op(layer, None if is_amx else kernels)
     for seed, (num_tokens, top_k) in enumerate([(1, 1), (3, 2), (17, 8), (300, 2)]):
         x, ids, w = stored_experts.class_tokens(num_tokens, H, top_k, seed)
         want = moe_reference(x, gate, up, down, ids, w, bf16_activations=True)
         scale = stored_experts.per_token_scale(want)
-        got = torch.from_numpy(op(x.numpy(), route(ids.numpy(), w.numpy(), gate.shape[0])))
+        got = op(x, route(ids.numpy(), w.numpy(), gate.shape[0]))
         assert_close(got.double() * scale, want.double() * scale, flip_bound(x, gate, up, down, ids, w) * scale,
                      f"{num_tokens} tokens, top-{top_k}")
 
@@ -231,29 +235,29 @@ def test_refuses_sizes_off_the_tiles(fmt, group, hidden, inter):
     layer, _ = stored_layer(fmt, group, "plain", 1, hidden=hidden, inter=inter)
     assert not prefill_amx_float.is_supported(layer)
     with pytest.raises(ValueError, match="multiples of 32"):
-        prefill_amx_float.FloatAmxPrefill(layer, Workspace())
-    assert isinstance(CpuMoE(layer).prefill, DequantPrefill)
+        prefill_amx_float.AmxFloatBackend(layer)
+    assert isinstance(CpuMoE(layer).prefill.backend, DequantBackend)
 
 
 def test_launcher_checks_its_inputs(layers):
     layer, _ = layers("nvfp4", 16, "plain", 1)
-    op = prefill_amx_float.FloatAmxPrefill(layer, Workspace(), kernels=(None, None))  # never reaches a kernel
+    op = prefill_op(layer, (None, None))  # never reaches a kernel
     ids, w = routing(4, 2, 0)
     r = route(ids.numpy(), w.numpy(), E)
-    with pytest.raises(ValueError, match="float32"):
-        op(np.zeros((4, H), dtype=np.float64), r)
+    with pytest.raises(ValueError, match=f"float32 \\[T, {H}\\]"):
+        op(torch.zeros(4, H + prefill_amx_float.STEP), r)
     with pytest.raises(ValueError, match="pair_token"):
-        op(np.zeros((2, H), dtype=np.float32), r)  # the routing's tokens 2 and 3 are not there
+        op(torch.zeros(2, H), r)  # the routing's tokens 2 and 3 are not there
     layer.partitions[0].down_tensor_scale = None
     with pytest.raises(ValueError, match="down of partition"):
-        prefill_amx_float.FloatAmxPrefill(layer, Workspace())
+        prefill_amx_float.AmxFloatBackend(layer)
     layer.partitions[0].down_tensor_scale = np.ones(E, dtype=np.float32)
 
 
 @pytest.mark.parametrize("is_amx_bf16", [False, True])
 def test_operator_takes_the_path_on_amx_bf16(kernels, layers, monkeypatch, is_amx_bf16):
     """`CpuMoE` on a float-format layer: with AMX-BF16, from AMX_PREFILL_MIN_TOKENS tokens through
-    `FloatAmxPrefill` (here with the tile reference), `is_w8a8` False; without, the dequantizing prefill."""
+    `AmxFloatBackend` (here with the tile reference), `is_w8a8` False; without, the dequantizing prefill."""
     from cpu_experts import kernel_table
 
     # the backend's own check of the CPU, which refuses the real tiles here (replaced by the reference below)
@@ -262,12 +266,12 @@ def test_operator_takes_the_path_on_amx_bf16(kernels, layers, monkeypatch, is_am
     op = CpuMoE(layer, features=features(has_amx_bf16=is_amx_bf16))
     assert not op.is_w8a8
     if not is_amx_bf16:
-        assert isinstance(op.prefill, DequantPrefill)
+        assert isinstance(op.prefill.backend, DequantBackend)
         assert op.prefill_min_tokens == kernel_table.PREFILL_MIN_TOKENS["fp8"]
         return
-    assert isinstance(op.prefill, prefill_amx_float.FloatAmxPrefill) and op.kernels.prefill == "amx-bf16"
+    assert isinstance(op.prefill.backend, prefill_amx_float.AmxFloatBackend) and op.kernels.prefill == "amx-bf16"
     assert op.prefill_min_tokens == kernel_table.AMX_PREFILL_MIN_TOKENS["fp8"] == 32
-    op.prefill.gate_up, op.prefill.down = kernels
+    op.prefill.backend.gate_up_kernel, op.prefill.backend.down_kernel = kernels
     calls = []
     real = op.prefill.__call__
     monkeypatch.setattr(op, "prefill", lambda x, r: calls.append(len(x)) or real(x, r))
@@ -285,4 +289,4 @@ def test_tile_kernels_need_the_permission(layers, monkeypatch):
     layer, _ = layers("nvfp4", 16, "plain", 1)
     monkeypatch.setattr(prefill_amx_float, "has_amx_bf16", lambda: False)
     with pytest.raises(RuntimeError, match="tile permission"):
-        prefill_amx_float.FloatAmxPrefill(layer, Workspace())
+        prefill_amx_float.AmxFloatBackend(layer)

@@ -72,8 +72,8 @@ def test_the_operator_and_the_pool_follow_the_table(features):
     `select`; an empty tensor-parallel slice has no matmuls and no pool."""
     for dtype, group in (("int8", 0), ("int4", 32), ("fp8", 32), ("bf16", 0)):
         op = CpuMoE(layer(dtype, group), features=features)
-        want = {"onednn-int8": prefill_int8.Int8Prefill, "dequant": prefill.DequantPrefill}[op.kernels.prefill]
-        assert type(op.prefill) is want, (dtype, op.kernels)
+        want = {"onednn-int8": prefill_int8.OneDnnInt8Backend, "dequant": prefill.DequantBackend}[op.kernels.prefill]
+        assert type(op.prefill.backend) is want, (dtype, op.kernels)
         assert supports(op) == op.kernels.is_pool_decode
     empty = PackedLayer.from_float(*(torch.zeros(shape) for shape in ((E, I, H), (E, I, H), (E, H, I))), "int8", 0, 1,
                                    rank=199, num_ranks=200)
