@@ -67,7 +67,7 @@ class EngineConfig:
     # compiled code (int8 experts, W8A8 on the integer kernels); off, or for other formats, the executor's thread
     # serves them through Python
     cpu_decode_pool: bool = field(default=True, metadata=_help(
-        "serve CUDA-graph decode steps' CPU experts from a pool of pinned spinning threads (int8 and int4 experts)"))
+        "serve decode-sized steps' CPU experts (graph and eager) from a pool of pinned spinning threads"))
     enable_prefix_caching: bool = field(default=True, metadata=_help(
         "reuse the KV pages of earlier requests' identical prefixes (keyed by BLAKE2b digests of the tokens)"))
     # models with recurrent layers (Gated DeltaNet): a prefix hit resumes their states from a snapshot taken at a
