@@ -71,8 +71,10 @@ from cpu_experts.decode_pool_layers import (
     down_bias,
     layer_float,
     layer_int4,
+    layer_tables,
     scratch_float,
     scratch_int4,
+    scratch_int8,
     slot_epilogue,
 )
 from cpu_experts.decode_pool_sync import (
@@ -102,7 +104,7 @@ from cpu_experts.decode_pool_sync import (
 )
 from cpu_experts.executor import CpuExpertsError
 from cpu_experts.flag_worker import DONE, REQUEST, FlagWorker
-from cpu_experts.kernels import ACT_KINDS, quantize_row
+from cpu_experts.kernels import quantize_row
 from cpu_experts.kernels_vnni import _block_sums, down_row_int8, gate_up_item_int8
 from cpu_experts.operator import CpuMoE, _route
 from cpu_experts.topology import pin_current_thread
@@ -297,10 +299,10 @@ class DecodePool:
         self.num_threads = len(self.cpus)
         # steps of at least this many tokens take the prefill kernels, which the pool does not have
         self.max_tokens = min(min(op.prefill_min_tokens for op in ops.values()) - 1, worker.max_tokens)
-        *self._weights, self._weight_arrays = _layer_tables(ops)
+        *self._weights, self._weight_arrays = layer_tables(ops)
         # the activation's compile-time choice (`decode_pool_layers.slot_epilogue`): None keeps silu layers' code
         self._mode = None if all(op.spec.is_plain for op in ops.values()) else np.int64(1)
-        self._scratch = _scratch(ops, worker.max_tokens, worker.top_k)
+        self._scratch = scratch_int8(ops, worker.max_tokens, worker.top_k)
         self._scratch_int4 = scratch_int4(ops, worker.max_tokens, worker.top_k, self.kind in (INT4, INT4_BF16))
         self._scratch_float = scratch_float(ops, worker.max_tokens, worker.top_k, self.kind in FLOAT_KINDS.values())
         self._buffers = tuple(b.numpy() for b in (worker.hidden_buffer, worker.ids_buffer, worker.weights_buffer,
@@ -444,66 +446,6 @@ class DecodePool:
         except BaseException as exc:  # noqa: BLE001 (reported by finish_step; the engine falls back)
             self.error = exc
             self._set(STOP, 1)  # the other threads leave their barriers instead of waiting for this one
-
-
-def _layer_tables(ops: dict[int, CpuMoE]) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[np.ndarray]]:
-    """Per layer its first slot and slot count ([max layer + 1], -1: none); the slot table (see GATE ...); and the
-    arrays the table points into, which the pool keeps alive."""
-    num_layers = max(ops) + 1
-    first_slot = np.full(num_layers, -1, dtype=np.int64)
-    num_slots = np.zeros(num_layers, dtype=np.int64)
-    rows, keep = [], []
-    for layer in sorted(ops):
-        op = ops[layer]
-        first_slot[layer], num_slots[layer] = len(rows), len(op.layer.partitions)
-        for part in op.layer.partitions:
-            arrays = [np.ascontiguousarray(a) for a in (part.gate, part.gate_scales, part.up, part.up_scales,
-                                                          part.down, part.down_scales)]
-            tensor_scales = [np.ascontiguousarray(a) for a in (part.gate_tensor_scale, part.up_tensor_scale,
-                                                                 part.down_tensor_scale) if a is not None]
-            keep += arrays + tensor_scales
-            num_experts, size, gate_cols = part.gate.shape
-            hidden = op.spec.hidden_size
-            biases = _biases(op, part)
-            keep += biases
-            act = op.spec.activation
-            rows.append([a.ctypes.data for a in arrays] + [
-                num_experts, size, hidden, part.gate_scales.shape[2], part.down_scales.shape[2],
-                op.spec.group(op.spec.hidden_size), op.spec.group_size or part.size, gate_cols, part.down.shape[2]]
-                + ([a.ctypes.data for a in tensor_scales] or [0, 0, 0])
-                + [ACT_KINDS[act.kind], _float32_bits(act.alpha), _float32_bits(act.limit)]
-                + [a.ctypes.data for a in biases])
-    return first_slot, num_slots, np.array(rows, dtype=np.int64), keep
-
-
-def _biases(op: CpuMoE, part) -> list[np.ndarray]:
-    """gate, up [E, Ip] and down [E, H] biases of one partition's slot: the layer's, or zeros (also the down bias
-    of a tensor-parallel rank other than 0, which leaves it to rank 0)."""
-    spec = op.spec
-    zeros_down = np.zeros((spec.num_experts, spec.hidden_size), np.float32)
-    if spec.has_bias:
-        down = zeros_down if op.layer.down_bias is None else op.layer.down_bias
-        return [np.ascontiguousarray(a) for a in (part.gate_bias, part.up_bias, down)]
-    zeros = np.zeros((spec.num_experts, part.size), np.float32)
-    return [zeros, zeros, zeros_down]
-
-
-def _float32_bits(value: float) -> int:
-    return int(np.array(value, dtype=np.float32).view(np.int32))
-
-
-def _scratch(ops: dict[int, CpuMoE], max_tokens: int, top_k: int) -> tuple:
-    """Buffers the threads share: x_q, x_scale, x_sum [T, G_h]; act, a_q [P, I_part], a_scale, a_sum [P, G_i]."""
-    parts = [(op, part) for op in ops.values() for part in op.layer.partitions]
-    hidden = parts[0][0].spec.hidden_size
-    max_rows = max(part.size for _, part in parts)
-    groups_h = max(part.gate_scales.shape[2] for _, part in parts)
-    groups_i = max(part.down_scales.shape[2] for _, part in parts)
-    max_pairs = max_tokens * top_k
-    return (np.zeros((max_tokens, hidden), np.int8), np.zeros(max_tokens, np.float32),
-            np.zeros((max_tokens, groups_h), np.int64), np.zeros((max_pairs, max_rows), np.float32),
-            np.zeros((max_pairs, max_rows), np.int8), np.zeros(max_pairs, np.float32),
-            np.zeros((max_pairs, groups_i), np.int64))
 
 
 @njit(nogil=True, cache=True)

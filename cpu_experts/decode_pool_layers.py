@@ -3,7 +3,7 @@ here for the others): int4 (W8A8, `kernels_vnni_int4`) and the float formats FP8
 activations, `kernels_fp8`, `kernels_fp4`), each on its kernels' own work-range bodies, so a step served by the
 pool equals one served by the operator bit for bit. Every thread runs the same phases on its static share,
 separated by `decode_pool_sync._barrier`s; the slot table (one row per partition: array addresses, then
-dimensions) is built by `decode_pool._layer_tables`.
+dimensions) is built by `layer_tables`.
 
 Activation: a pool whose layers are all silu without biases runs with `mode` None, the kernels' plain
 specialization; otherwise (gpt-oss) `mode` is an int and each slot's epilogue (`kernels.activation`) is built from
@@ -18,7 +18,7 @@ from numba import carray, njit
 
 from cpu_experts.atomics import float32_pointer, pointer_like, uint8_pointer
 from cpu_experts.decode_pool_sync import _barrier, _share
-from cpu_experts.kernels import _as_float32, add_down_bias, round_bf16
+from cpu_experts.kernels import ACT_KINDS, _as_float32, add_down_bias, round_bf16
 from cpu_experts.kernels_fp4 import (
     down_rows_mxfp4,
     down_rows_nvfp4,
@@ -204,7 +204,68 @@ def layer_float(tid, num_threads, ctl, kind, first, count, slots, routing, num_t
     down_bias(tid, num_threads, slots, first, routing, mode, out)
 
 
-# ---- scratch ------------------------------------------------------------------------------------------------------
+# ---- the slot table and scratch (host side, at the pool's start) -------------------------------------------------
+
+def layer_tables(ops: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[np.ndarray]]:
+    """`ops` ({layer: CpuMoE}) -> per layer its first slot and slot count ([max layer + 1], -1: none); the slot
+    table (see GATE ...); and the arrays the table points into, which the pool keeps alive."""
+    num_layers = max(ops) + 1
+    first_slot = np.full(num_layers, -1, dtype=np.int64)
+    num_slots = np.zeros(num_layers, dtype=np.int64)
+    rows, keep = [], []
+    for layer in sorted(ops):
+        op = ops[layer]
+        first_slot[layer], num_slots[layer] = len(rows), len(op.layer.partitions)
+        for part in op.layer.partitions:
+            arrays = [np.ascontiguousarray(a) for a in (part.gate, part.gate_scales, part.up, part.up_scales,
+                                                          part.down, part.down_scales)]
+            tensor_scales = [np.ascontiguousarray(a) for a in (part.gate_tensor_scale, part.up_tensor_scale,
+                                                                 part.down_tensor_scale) if a is not None]
+            keep += arrays + tensor_scales
+            num_experts, size, gate_cols = part.gate.shape
+            hidden = op.spec.hidden_size
+            biases = _biases(op, part)
+            keep += biases
+            act = op.spec.activation
+            rows.append([a.ctypes.data for a in arrays] + [
+                num_experts, size, hidden, part.gate_scales.shape[2], part.down_scales.shape[2],
+                op.spec.group(op.spec.hidden_size), op.spec.group_size or part.size, gate_cols, part.down.shape[2]]
+                + ([a.ctypes.data for a in tensor_scales] or [0, 0, 0])
+                + [ACT_KINDS[act.kind], _float32_bits(act.alpha), _float32_bits(act.limit)]
+                + [a.ctypes.data for a in biases])
+    return first_slot, num_slots, np.array(rows, dtype=np.int64), keep
+
+
+def _biases(op, part) -> list[np.ndarray]:
+    """gate, up [E, Ip] and down [E, H] biases of one partition's slot: the layer's, or zeros (also the down bias
+    of a tensor-parallel rank other than 0, which leaves it to rank 0)."""
+    spec = op.spec
+    zeros_down = np.zeros((spec.num_experts, spec.hidden_size), np.float32)
+    if spec.has_bias:
+        down = zeros_down if op.layer.down_bias is None else op.layer.down_bias
+        return [np.ascontiguousarray(a) for a in (part.gate_bias, part.up_bias, down)]
+    zeros = np.zeros((spec.num_experts, part.size), np.float32)
+    return [zeros, zeros, zeros_down]
+
+
+def _float32_bits(value: float) -> int:
+    return int(np.array(value, dtype=np.float32).view(np.int32))
+
+
+def scratch_int8(ops: dict, max_tokens: int, top_k: int) -> tuple:
+    """Buffers the threads share: x_q, x_scale, x_sum [T, G_h]; act, a_q [P, I_part], a_scale, a_sum [P, G_i]."""
+    parts = [(op, part) for op in ops.values() for part in op.layer.partitions]
+    hidden = parts[0][0].spec.hidden_size
+    max_rows = max(part.size for _, part in parts)
+    groups_h = max(part.gate_scales.shape[2] for _, part in parts)
+    groups_i = max(part.down_scales.shape[2] for _, part in parts)
+    max_pairs = max_tokens * top_k
+    return (np.zeros((max_tokens, hidden), np.int8), np.zeros(max_tokens, np.float32),
+            np.zeros((max_tokens, groups_h), np.int64), np.zeros((max_pairs, max_rows), np.float32),
+            np.zeros((max_pairs, max_rows), np.int8), np.zeros(max_pairs, np.float32),
+            np.zeros((max_pairs, groups_i), np.int64))
+
+
 
 def scratch_int4(ops: dict, max_tokens: int, top_k: int, is_int4: bool) -> tuple:
     """The int4 layers' activation buffers: x_even, x_odd [T, ceil(H / 2)], x_corr [T, U_h * 8]; a_even, a_odd
