@@ -402,7 +402,7 @@ def _recompiled(fn, overrides: dict, is_parallel: bool):
 
 
 def kernels():
-    """(gate_up_chunked, down_chunked): the pair `prefill_amx_float.FloatAmxPrefill` runs."""
+    """(gate_up_chunked, down_chunked): the pair `prefill_amx_float.AmxFloatBackend` runs."""
     return gate_up_chunked, down_chunked
 
 
